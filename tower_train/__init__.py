@@ -1,0 +1,1 @@
+"""tower-train: data-parallel training with towers and gradient accumulation in TF2."""

@@ -1,0 +1,10 @@
+"""The one error type that reaches the user as a single line, never as a traceback."""
+
+
+class UsageError(Exception):
+    """Bad input: a flag, a file, the train_dir or the environment.
+
+    The message is one line that names the culprit and what is allowed. The CLI
+    prints it as ``tower_train: error: <message>`` and exits with status 2,
+    before anything is written.
+    """
