@@ -1,0 +1,66 @@
+"""The device decision, for GPU machines too, checked through device strings."""
+import pytest
+
+from tower_train.devices import DevicePlan, canonical_device, plan_devices
+from tower_train.errors import UsageError
+
+
+def test_enough_gpus_uses_them_as_they_are():
+    plan = plan_devices(4, "cpu", num_physical_gpus=8, gpu0_memory_mb=16000)
+    assert plan.tower_devices == ("/gpu:0", "/gpu:1", "/gpu:2", "/gpu:3")
+    assert plan.param_device == "/cpu:0"
+    assert (plan.split, plan.num_logical, plan.gpu_memory_limit_mb) == ("none", 0, None)
+
+
+def test_enough_gpus_with_gpu_parameter_device():
+    assert plan_devices(2, "gpu", num_physical_gpus=2).param_device == "/gpu:0"
+
+
+def test_one_gpu_is_split_by_its_memory():
+    plan = plan_devices(4, "cpu", num_physical_gpus=1, gpu0_memory_mb=16000)
+    assert plan.split == "gpu" and plan.num_logical == 4
+    assert plan.gpu_memory_limit_mb == 4000
+    assert plan.tower_devices == ("/gpu:0", "/gpu:1", "/gpu:2", "/gpu:3")
+    assert "split GPU 0 into 4 logical GPUs of 4000 MB" in plan.message
+
+
+def test_gpu_memory_flag_overrides_the_even_split():
+    plan = plan_devices(3, "gpu", num_physical_gpus=2, gpu0_memory_mb=16000, gpu_memory_mb=2500)
+    assert plan.split == "gpu" and plan.num_logical == 3
+    assert plan.gpu_memory_limit_mb == 2500
+    assert plan.param_device == "/gpu:0"
+
+
+def test_splitting_a_gpu_of_unknown_memory_asks_for_the_flag():
+    with pytest.raises(UsageError, match="--gpu_memory_mb"):
+        plan_devices(2, "cpu", num_physical_gpus=1, gpu0_memory_mb=None)
+
+
+def test_no_gpu_splits_the_cpu_and_keeps_the_host_apart():
+    plan = plan_devices(4, "cpu", num_physical_gpus=0)
+    assert plan.split == "cpu" and plan.num_logical == 5
+    assert plan.tower_devices == ("/cpu:1", "/cpu:2", "/cpu:3", "/cpu:4")
+    assert plan.param_device == "/cpu:0"
+    assert plan.param_device not in plan.tower_devices
+
+
+def test_no_gpu_gpu_parameter_device_is_the_first_tower():
+    assert plan_devices(3, "gpu", num_physical_gpus=0).param_device == "/cpu:1"
+
+
+def test_zero_gpus_is_one_cpu_tower_without_split():
+    plan = plan_devices(0, "gpu", num_physical_gpus=4)
+    assert plan == DevicePlan(("/cpu:0",), "/cpu:0", "none", 0, None, plan.message)
+
+
+@pytest.mark.parametrize("num_gpus,physical", [(1, 0), (2, 0), (4, 1), (4, 4), (0, 0)])
+def test_message_is_one_line_naming_the_parameter_device(num_gpus, physical):
+    plan = plan_devices(num_gpus, "cpu", num_physical_gpus=physical, gpu0_memory_mb=8000)
+    assert "\n" not in plan.message
+    assert plan.message.endswith(f"parameters on {plan.param_device}")
+    assert len(plan.tower_devices) == max(num_gpus, 1)
+
+
+def test_canonical_device_folds_spellings():
+    assert canonical_device("/gpu:1") == canonical_device("/job:localhost/replica:0/task:0/device:GPU:1")
+    assert canonical_device("/cpu:0") != canonical_device("/cpu:1")

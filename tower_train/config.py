@@ -1,0 +1,79 @@
+"""The explicit, frozen configuration of one training run, and its validation.
+
+Every default lives here, each with the reason for it; `tower_train.flags`
+defines one absl flag per field and takes its default from this class, so a
+default is written exactly once.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from tower_train.errors import UsageError
+
+MODES = ("tower",)
+PS_DEVICES = ("cpu", "gpu")
+OPTIMIZERS = ("sgd", "momentum", "adam")
+DATASETS = ("synthetic", "cifar10")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """What to train, where and how. Invalid values raise UsageError on construction."""
+
+    mode: str = "tower"  # the classic pattern this project exists for
+    num_gpus: int = 1  # towers; 1 keeps a plain run plain, as the original's default
+    accum: int = 1  # micro-steps per update; 1 = no accumulation
+    batch_size: int = 128  # examples per tower per micro-step, as in the original
+    ps_device: str = "cpu"  # the original kept the variables on the CPU
+    gpu_memory_mb: int | None = None  # per logical GPU when GPU 0 is split; None = its memory / N
+    model: str = "cifar10_cnn"  # the original tutorial's network
+    model_module: str | None = None  # a module to import so that its @register runs before --model is looked up
+    dataset: str = "synthetic"  # embedded, so a first run needs no download
+    data_dir: str | None = None  # only --dataset=cifar10 reads files
+    max_steps: int = 30  # updates; the main job (4 towers x 8 micro-steps) then takes a few minutes on 2 CPU cores
+    train_dir: str = "/tmp/tower_train"  # as the original's /tmp/cifar10_train, but resumed, never deleted
+    seed: int = 0  # fixes the initial weights and the order of the example stream
+    optimizer: str = "sgd"  # the original's plain gradient descent
+    learning_rate: float = 0.1  # the original's INITIAL_LEARNING_RATE
+    augment: bool = False  # distortions slow learning on short runs; the original's are one flag away
+    log_every: int = 10  # updates between log lines, as the original
+    checkpoint_every: int = 100  # updates between checkpoints; one is also written at the end
+    eval_batch_size: int = 500  # held-out examples per evaluation batch; any size counts every example once
+    deterministic: bool = False  # op determinism costs speed; turn it on to reproduce bit for bit
+
+    def __post_init__(self) -> None:
+        _one_of("mode", self.mode, MODES)
+        _one_of("ps_device", self.ps_device, PS_DEVICES)
+        _one_of("optimizer", self.optimizer, OPTIMIZERS)
+        _one_of("dataset", self.dataset, DATASETS)
+        _at_least("num_gpus", self.num_gpus, 0)
+        for name in ("accum", "batch_size", "max_steps", "log_every", "checkpoint_every",
+                     "eval_batch_size"):
+            _at_least(name, getattr(self, name), 1)
+        if self.gpu_memory_mb is not None:
+            _at_least("gpu_memory_mb", self.gpu_memory_mb, 1)
+        _at_least("seed", self.seed, 0)
+        if not self.learning_rate > 0:  # also catches NaN
+            raise UsageError(f"--learning_rate={self.learning_rate}: must be a number > 0")
+        if not self.train_dir:
+            raise UsageError("--train_dir is empty: it must name a directory")
+
+    @property
+    def num_towers(self) -> int:
+        """--num_gpus=0 still trains, on one CPU tower."""
+        return max(self.num_gpus, 1)
+
+    @property
+    def global_batch(self) -> int:
+        """G: the examples one update consumes."""
+        return self.batch_size * self.num_towers * self.accum
+
+
+def _one_of(name: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise UsageError(f"--{name}={value}: unknown; allowed: {', '.join(allowed)}")
+
+
+def _at_least(name: str, value: int, minimum: int) -> None:
+    if value < minimum:
+        raise UsageError(f"--{name}={value}: must be a whole number >= {minimum}")

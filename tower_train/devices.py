@@ -1,0 +1,158 @@
+"""Which devices the towers and the parameters use, decided before TensorFlow initialises.
+
+The decision is a pure function of the flags and of the physical devices found
+(`plan_devices`), so every branch, including the GPU ones this project's CI
+cannot run, is unit-tested through device strings. `apply_device_plan` then
+creates the logical devices the plan needs.
+"""
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import subprocess
+
+from tower_train.errors import UsageError
+
+HOST_DEVICE = "/cpu:0"  # where input pipelines run and, with --ps_device=cpu, the variables live
+
+
+@dataclasses.dataclass(frozen=True)
+class DevicePlan:
+    """Where everything runs.
+
+    Attributes:
+      tower_devices: one device string per tower, e.g. ("/gpu:0", "/gpu:1").
+      param_device: the device that holds every model and optimizer variable.
+      split: which physical device is divided into logical ones: "none", "gpu" (GPU 0) or "cpu".
+      num_logical: how many logical devices the split creates (0 when split is "none").
+      gpu_memory_limit_mb: the memory limit of each logical GPU when split is "gpu", else None.
+      message: the one log line that says what was done.
+    """
+
+    tower_devices: tuple[str, ...]
+    param_device: str
+    split: str
+    num_logical: int
+    gpu_memory_limit_mb: int | None
+    message: str
+
+
+def plan_devices(
+    num_gpus: int,
+    ps_device: str,
+    num_physical_gpus: int,
+    gpu0_memory_mb: int | None = None,
+    gpu_memory_mb: int | None = None,
+) -> DevicePlan:
+    """Decides the tower and parameter devices for `--num_gpus` towers.
+
+    Args:
+      num_gpus: the number of towers; 0 means one tower on the CPU.
+      ps_device: "cpu" (the host CPU, as in the original) or "gpu" (GPU 0, or
+        the first tower device when there is no GPU).
+      num_physical_gpus: how many physical GPUs the machine has.
+      gpu0_memory_mb: GPU 0's total memory, when known; used to split it.
+      gpu_memory_mb: the `--gpu_memory_mb` override for each logical GPU.
+
+    Returns:
+      The plan. With at least `num_gpus` GPUs the towers use /gpu:0..N-1 as they
+      are. With fewer but at least one, GPU 0 is split into N logical GPUs. With
+      none, the CPU is split into N + 1 logical devices: /cpu:0 stays the host
+      (input pipeline and, by default, the parameters), as on a GPU machine, and
+      the towers get /cpu:1..N, so the parameter device is never a tower's.
+
+    Raises:
+      UsageError: GPU 0 must be split but its memory is unknown and no
+        `--gpu_memory_mb` was given.
+    """
+    if num_gpus == 0:
+        return DevicePlan((HOST_DEVICE,), HOST_DEVICE, "none", 0, None,
+                          "--num_gpus=0: one tower on /cpu:0; parameters on /cpu:0")
+    if num_physical_gpus >= num_gpus:
+        towers = tuple(f"/gpu:{i}" for i in range(num_gpus))
+        split, num_logical, limit = "none", 0, None
+        message = f"{num_physical_gpus} GPU(s) found: {num_gpus} tower(s) on {_span(towers)}"
+    elif num_physical_gpus >= 1:
+        limit = gpu_memory_mb or (gpu0_memory_mb // num_gpus if gpu0_memory_mb else None)
+        if limit is None:
+            raise UsageError(
+                f"--num_gpus={num_gpus} needs {num_gpus} GPUs but {num_physical_gpus} found, and "
+                "GPU 0's memory is unknown (no nvidia-smi): pass --gpu_memory_mb=MB for each of its "
+                f"{num_gpus} logical GPUs")
+        towers = tuple(f"/gpu:{i}" for i in range(num_gpus))
+        split, num_logical = "gpu", num_gpus
+        message = (f"{num_physical_gpus} GPU(s) found for --num_gpus={num_gpus}: split GPU 0 into "
+                   f"{num_gpus} logical GPUs of {limit} MB each, towers on {_span(towers)}")
+    else:
+        towers = tuple(f"/cpu:{i + 1}" for i in range(num_gpus))
+        split, num_logical, limit = "cpu", num_gpus + 1, None
+        message = (f"no GPU found for --num_gpus={num_gpus}: split the CPU into {num_gpus + 1} "
+                   f"logical devices, host /cpu:0, towers on {_span(towers)}")
+    param_device = HOST_DEVICE if ps_device == "cpu" else (
+        "/gpu:0" if num_physical_gpus >= 1 else towers[0])
+    return DevicePlan(towers, param_device, split, num_logical, limit,
+                      f"{message}; parameters on {param_device}")
+
+
+def _span(devices: tuple[str, ...]) -> str:
+    return devices[0] if len(devices) == 1 else f"{devices[0]}..{devices[-1]}"
+
+
+def gpu0_total_memory_mb() -> int | None:
+    """GPU 0's total memory from nvidia-smi, which, unlike TF, can tell it before initialisation."""
+    if shutil.which("nvidia-smi") is None:
+        return None
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits", "-i", "0"],
+            capture_output=True, text=True, timeout=20, check=True).stdout
+        return int(out.strip().splitlines()[0])
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return None
+
+
+def plan_for_this_machine(num_gpus: int, ps_device: str, gpu_memory_mb: int | None) -> DevicePlan:
+    """`plan_devices` fed with this machine's physical devices (this does not initialise TF)."""
+    import tensorflow as tf
+
+    num_physical_gpus = len(tf.config.list_physical_devices("GPU"))
+    gpu0_memory = (gpu0_total_memory_mb()
+                   if 1 <= num_physical_gpus < num_gpus and not gpu_memory_mb else None)
+    return plan_devices(num_gpus, ps_device, num_physical_gpus, gpu0_memory, gpu_memory_mb)
+
+
+def apply_device_plan(plan: DevicePlan) -> None:
+    """Creates the logical devices the plan needs; call before TF initialises its runtime.
+
+    If the runtime is already up (a test process, or a second run in one
+    process), the plan is accepted only when the devices it names exist.
+
+    Raises:
+      UsageError: the runtime is up and lacks a device the plan names.
+    """
+    import tensorflow as tf
+
+    if plan.split != "none":
+        kind = plan.split.upper()
+        physical = tf.config.list_physical_devices(kind)[0]
+        configs = [tf.config.LogicalDeviceConfiguration(memory_limit=plan.gpu_memory_limit_mb)
+                   for _ in range(plan.num_logical)]
+        try:
+            tf.config.set_logical_device_configuration(physical, configs)
+        except RuntimeError:
+            pass  # already initialised: checked below against what exists
+    existing = {canonical_device(d.name) for d in tf.config.list_logical_devices()}
+    missing = [d for d in (*plan.tower_devices, plan.param_device)
+               if canonical_device(d) not in existing]
+    if missing:
+        raise UsageError(
+            f"devices {', '.join(missing)} do not exist and TensorFlow is already initialised; "
+            f"the logical devices are: {', '.join(sorted(existing))}")
+
+
+def canonical_device(device: str) -> str:
+    """'/gpu:1', '/device:GPU:1' and '/job:localhost/.../device:GPU:1' all become 'GPU:1'."""
+    import tensorflow as tf
+
+    spec = tf.DeviceSpec.from_string(device)
+    return f"{spec.device_type}:{spec.device_index}"

@@ -1,0 +1,62 @@
+"""Every command-line flag of tower-train, defined here and nowhere else.
+
+Defaults come from `TrainConfig`, where each has its reason; `config_from_flags`
+turns the parsed flags into that frozen, validated config.
+"""
+from __future__ import annotations
+
+from absl import flags
+
+from tower_train.config import DATASETS, MODES, OPTIMIZERS, PS_DEVICES, TrainConfig
+
+_D = TrainConfig()
+
+MODE = flags.DEFINE_string("mode", _D.mode, f"How gradients cross devices: {' | '.join(MODES)}.")
+NUM_GPUS = flags.DEFINE_integer(
+    "num_gpus", _D.num_gpus,
+    "Number of towers. With fewer GPUs, GPU 0 (or, with none, the CPU) is split into logical "
+    "devices; 0 = one tower on the CPU.")
+ACCUM = flags.DEFINE_integer("accum", _D.accum, "Micro-steps accumulated into one update (K).")
+BATCH_SIZE = flags.DEFINE_integer("batch_size", _D.batch_size, "Examples per tower per micro-step.")
+PS_DEVICE = flags.DEFINE_string(
+    "ps_device", _D.ps_device,
+    f"Where all variables live: {' | '.join(PS_DEVICES)} (gpu = GPU 0, or the first tower's "
+    "device when there is no GPU).")
+GPU_MEMORY_MB = flags.DEFINE_integer(
+    "gpu_memory_mb", _D.gpu_memory_mb,
+    "Memory of each logical GPU when GPU 0 is split (default: its memory / num_gpus).")
+MODEL = flags.DEFINE_string("model", _D.model, "Registered network to train (see models/).")
+MODEL_MODULE = flags.DEFINE_string(
+    "model_module", _D.model_module,
+    "Python module to import before looking up --model, so that its @models.register runs.")
+DATASET = flags.DEFINE_string("dataset", _D.dataset, f"Input data: {' | '.join(DATASETS)}.")
+DATA_DIR = flags.DEFINE_string(
+    "data_dir", _D.data_dir, "Directory of the CIFAR-10 binary files (--dataset=cifar10 only).")
+MAX_STEPS = flags.DEFINE_integer(
+    "max_steps", _D.max_steps, "Train until this many updates (not micro-steps) are done.")
+TRAIN_DIR = flags.DEFINE_string(
+    "train_dir", _D.train_dir, "Checkpoints and TensorBoard logs; a run here resumes from it.")
+SEED = flags.DEFINE_integer("seed", _D.seed, "Fixes the initial weights and the example order.")
+OPTIMIZER = flags.DEFINE_string("optimizer", _D.optimizer, f"{' | '.join(OPTIMIZERS)}.")
+LEARNING_RATE = flags.DEFINE_float("learning_rate", _D.learning_rate, "Learning rate.")
+AUGMENT = flags.DEFINE_bool("augment", _D.augment, "Apply the original's training distortions.")
+LOG_EVERY = flags.DEFINE_integer("log_every", _D.log_every, "Updates between progress lines.")
+CHECKPOINT_EVERY = flags.DEFINE_integer(
+    "checkpoint_every", _D.checkpoint_every, "Updates between checkpoints.")
+EVAL_BATCH_SIZE = flags.DEFINE_integer(
+    "eval_batch_size", _D.eval_batch_size, "Examples per batch when evaluating held-out data.")
+DETERMINISTIC = flags.DEFINE_bool(
+    "deterministic", _D.deterministic, "Enable TensorFlow op determinism.")
+
+
+def config_from_flags() -> TrainConfig:
+    """The parsed flags as a validated config; raises UsageError on a bad value."""
+    return TrainConfig(
+        mode=MODE.value, num_gpus=NUM_GPUS.value, accum=ACCUM.value,
+        batch_size=BATCH_SIZE.value, ps_device=PS_DEVICE.value,
+        gpu_memory_mb=GPU_MEMORY_MB.value, model=MODEL.value, model_module=MODEL_MODULE.value,
+        dataset=DATASET.value, data_dir=DATA_DIR.value, max_steps=MAX_STEPS.value,
+        train_dir=TRAIN_DIR.value, seed=SEED.value, optimizer=OPTIMIZER.value,
+        learning_rate=LEARNING_RATE.value, augment=AUGMENT.value, log_every=LOG_EVERY.value,
+        checkpoint_every=CHECKPOINT_EVERY.value, eval_batch_size=EVAL_BATCH_SIZE.value,
+        deterministic=DETERMINISTIC.value)
