@@ -1,0 +1,58 @@
+"""The base class of every network tower-train trains.
+
+A network is a `keras.Model` that maps images to logits and owns its loss:
+the per-example data loss and the regularization. It knows nothing of devices,
+flags or optimizers; the trainer decides where it runs and how it is updated.
+
+Subclass it like this (see README, "Adding a model"):
+
+    @models.register("tiny_mlp")
+    class TinyMLP(models.TowerModel):
+        def __init__(self, num_classes: int):
+            super().__init__(num_classes)
+            self.hidden = keras.layers.Dense(64, activation="relu")
+            self.logits = keras.layers.Dense(num_classes)
+
+        def call(self, images, training=False):
+            return self.logits(self.hidden(keras.ops.reshape(images, (keras.ops.shape(images)[0], -1))))
+
+        def regularization(self):
+            return 1e-4 * l2_loss(self.hidden.kernel)
+"""
+from __future__ import annotations
+
+import keras
+import tensorflow as tf
+
+
+class TowerModel(keras.Model):
+    """A network for tower-train.
+
+    Subclasses build their layers in `__init__(self, num_classes)` and
+    implement `call(images, training)`: float32 images [B, 24, 24, 3] ->
+    logits [B, num_classes]. They may override `per_example_loss` and
+    `regularization`. The trainer computes each tower's loss as
+
+        mean(per_example_loss(labels, logits)) + regularization()
+
+    so the regularization counts once per update, whatever the number of
+    towers and micro-steps.
+    """
+
+    def __init__(self, num_classes: int, **kwargs):
+        super().__init__(**kwargs)
+        self.num_classes = num_classes
+
+    def per_example_loss(self, labels: tf.Tensor, logits: tf.Tensor) -> tf.Tensor:
+        """int labels [B], logits [B, C] -> loss [B]; softmax cross-entropy unless overridden."""
+        return tf.nn.sparse_softmax_cross_entropy_with_logits(
+            labels=tf.cast(labels, tf.int32), logits=tf.cast(logits, tf.float32))
+
+    def regularization(self) -> tf.Tensor:
+        """A scalar added to every tower's mean loss; none unless overridden."""
+        return tf.constant(0.0)
+
+
+def l2_loss(weights: keras.Variable) -> tf.Tensor:
+    """sum(w^2) / 2, the original's weight-decay term before its factor."""
+    return tf.nn.l2_loss(tf.convert_to_tensor(weights))
