@@ -1,0 +1,67 @@
+"""Bad input: one line naming the culprit, exit status 2, no traceback, nothing written."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_cli(*args, cwd=ROOT):
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    return subprocess.run([sys.executable, "-m", "tower_train", *args], capture_output=True,
+                          text=True, cwd=cwd, env=env, timeout=300)
+
+
+# (flags, text the error must contain); {file} is a regular file, {missing} a path that does not exist.
+CASES = [
+    (["--accum=0"], "--accum=0"),
+    (["--accum=-3"], "--accum=-3"),
+    (["--num_gpus=-1"], "--num_gpus=-1"),
+    (["--batch_size=0"], "--batch_size=0"),
+    (["--max_steps=0"], "--max_steps=0"),
+    (["--log_every=0"], "--log_every=0"),
+    (["--checkpoint_every=-1"], "--checkpoint_every=-1"),
+    (["--gpu_memory_mb=0"], "--gpu_memory_mb=0"),
+    (["--seed=-1"], "--seed=-1"),
+    (["--learning_rate=-0.1"], "--learning_rate"),
+    (["--learning_rate=nan"], "--learning_rate"),
+    (["--mode=bogus"], "allowed: tower"),
+    (["--ps_device=tpu"], "allowed: cpu, gpu"),
+    (["--optimizer=rmsprop"], "allowed: sgd, momentum, adam"),
+    (["--dataset=imagenet"], "allowed: synthetic, cifar10"),
+    (["--accum=abc"], "accum"),
+    (["--no_such_flag=1"], "no_such_flag"),
+    (["extra_positional"], "extra_positional"),
+    (["--train_dir={file}"], "is a file"),
+    (["--train_dir={file}/sub"], "is a file"),
+    (["--dataset=cifar10"], "data_dir"),
+    (["--dataset=cifar10", "--data_dir={missing}"], "{missing}"),
+    (["--data_dir={missing}"], "--data_dir"),
+    (["--model=no_such_net"], "cifar10_cnn"),
+    (["--model_module=no_such_module_xyz"], "no_such_module_xyz"),
+]
+
+
+@pytest.mark.parametrize("args,expected", CASES, ids=[" ".join(a) for a, _ in CASES])
+def test_bad_input_is_one_line_and_writes_nothing(tmp_path, args, expected):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("precious")
+    missing = tmp_path / "missing"
+    train_dir = tmp_path / "train"
+    fill = lambda s: s.format(file=a_file, missing=missing)
+    args = [fill(a) for a in args]
+    if not any(a.startswith("--train_dir") for a in args):
+        args.append(f"--train_dir={train_dir}")
+
+    result = run_cli(*args)
+
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("tower_train: error: ")
+    assert fill(expected) in lines[0]
+    assert "Traceback" not in result.stderr + result.stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]
+    assert a_file.read_text() == "precious"

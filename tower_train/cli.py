@@ -1,0 +1,92 @@
+"""The command line: flags -> validated config -> devices -> training.
+
+Bad input of any kind ends here as one line on stderr and exit status 2,
+before anything is written.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging as stdlib_logging
+import os
+import sys
+import tempfile
+from typing import Iterator
+
+from absl import app, flags, logging
+
+from tower_train import flags as tt_flags
+from tower_train.errors import UsageError
+
+PROG = "tower_train"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs `python -m tower_train`; returns the exit status."""
+    argv = sys.argv if argv is None else argv
+    app.define_help_flags()
+    try:
+        rest = flags.FLAGS(argv)
+        if len(rest) > 1:
+            raise UsageError(f"unexpected argument {rest[1]!r}: only --flags are accepted")
+        config = tt_flags.config_from_flags()
+    except (UsageError, flags.Error) as e:
+        return _fail(e)
+    logging.use_absl_handler()
+    logging.set_verbosity(logging.INFO)
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TF's C++ info and warnings
+    stdlib_logging.getLogger("tensorflow").setLevel(stdlib_logging.WARNING)  # checkpoint chatter
+    try:
+        with _native_startup_lines_hidden():
+            from tower_train import data, devices, trainer
+
+            plan = devices.plan_for_this_machine(
+                config.num_gpus, config.ps_device, config.gpu_memory_mb)
+        from models import model_class
+
+        trainer.check_train_dir(config.train_dir)
+        data.check_data_dir(config.dataset, config.data_dir)
+        model_class(config.model, config.model_module)
+        devices.apply_device_plan(plan)
+        logging.info("%s", plan.message)
+        trainer.train(config, plan)
+    except UsageError as e:
+        return _fail(e)
+    except trainer.TrainingError as e:
+        print(f"{PROG}: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+@contextlib.contextmanager
+def _native_startup_lines_hidden() -> Iterator[None]:
+    """Hides what TF's C++ side prints while it loads and probes for GPUs.
+
+    Those lines (oneDNN, CUDA probing) are written before any log level
+    applies, and would bury both the one-line errors and the device plan's
+    log line, which says the same in plain words. If loading fails, they are
+    shown after all.
+    """
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as sink:
+        os.dup2(sink.fileno(), 2)
+        try:
+            yield
+        except BaseException:
+            os.dup2(saved, 2)
+            sink.seek(0)
+            sys.stderr.write(sink.read().decode(errors="replace"))
+            raise
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+
+
+def _fail(error: Exception) -> int:
+    print(f"{PROG}: error: {error}", file=sys.stderr)
+    return 2
+
+
+def run() -> None:
+    """The `tower-train` console script and `python -m tower_train`."""
+    sys.exit(main())

@@ -1,0 +1,174 @@
+"""The outer loop: build the state, restore it, run updates, log, checkpoint, evaluate.
+
+The inner step (what one update computes) lives in the mode modules; this
+module only decides when to call it and what to record around it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import time
+
+import keras
+import tensorflow as tf
+from absl import logging
+
+from models import model_class
+from models.base import TowerModel
+from tower_train import data
+from tower_train.config import TrainConfig
+from tower_train.devices import DevicePlan
+from tower_train.errors import UsageError
+from tower_train.tower_mode import TowerStep
+
+_MOMENTUM = 0.9  # the usual value for --optimizer=momentum
+_CHECKPOINTS_KEPT = 5  # enough to fall back past a bad one, small enough to ignore
+
+
+class TrainingError(Exception):
+    """Training cannot go on (for example the loss is no longer finite); the message is one line."""
+
+
+@dataclasses.dataclass
+class TrainState:
+    """Everything a checkpoint holds: resuming needs no more than this."""
+
+    model: TowerModel
+    optimizer: keras.optimizers.Optimizer
+    step: tf.Variable  # updates applied (int64)
+    examples_seen: tf.Variable  # position in the example stream (int64), so resuming continues it
+
+    def checkpoint(self) -> tf.train.Checkpoint:
+        return tf.train.Checkpoint(model=self.model, optimizer=self.optimizer, step=self.step,
+                                   examples_seen=self.examples_seen)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainResult:
+    step: int
+    loss: float
+    eval_precision: float
+    eval_examples: int
+
+
+def make_optimizer(config: TrainConfig) -> keras.optimizers.Optimizer:
+    if config.optimizer == "adam":
+        return keras.optimizers.Adam(config.learning_rate)
+    return keras.optimizers.SGD(
+        config.learning_rate, momentum=_MOMENTUM if config.optimizer == "momentum" else 0.0)
+
+
+def build_state(config: TrainConfig, param_device: str) -> TrainState:
+    """A fresh model, optimizer and counters, every variable created on `param_device`."""
+    keras.utils.set_random_seed(config.seed)
+    with tf.device(param_device):
+        model = model_class(config.model, config.model_module)(num_classes=data.NUM_CLASSES)
+        model(tf.zeros([1, data.IMAGE_SIZE, data.IMAGE_SIZE, 3]))
+        optimizer = make_optimizer(config)
+        optimizer.build(model.trainable_variables)
+        step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
+        examples_seen = tf.Variable(0, dtype=tf.int64, trainable=False, name="examples_seen")
+    return TrainState(model, optimizer, step, examples_seen)
+
+
+def check_train_dir(path: str) -> None:
+    """Refuses a train_dir that cannot hold checkpoints, before anything is written."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise UsageError(f"--train_dir={path}: is a file, not a directory")
+    existing = path
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing) or "."
+    if not os.path.isdir(existing):
+        raise UsageError(f"--train_dir={path}: {existing} is a file, so the directory cannot be made")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UsageError(f"--train_dir={path}: {existing} is not writable")
+
+
+def evaluate(model: TowerModel, source: data.ExampleSource, batch_size: int,
+             device: str) -> tuple[float, int]:
+    """Precision @ 1 over every held-out example exactly once, and how many there were."""
+    @tf.function(reduce_retracing=True)
+    def count_correct(images: tf.Tensor, labels: tf.Tensor) -> tf.Tensor:
+        with tf.device(device):
+            predictions = tf.argmax(model(images, training=False), axis=-1, output_type=tf.int32)
+            return tf.reduce_sum(tf.cast(tf.equal(predictions, labels), tf.int64))
+
+    correct = total = 0
+    for images, labels in data.eval_batches(source, batch_size):
+        correct += int(count_correct(images, labels))
+        total += int(labels.shape[0])
+    return correct / total, total
+
+
+def describe_layout(config: TrainConfig, plan: DevicePlan) -> str:
+    return (f"mode={config.mode}, {len(plan.tower_devices)} tower(s) on "
+            f"{', '.join(plan.tower_devices)}, parameters on {plan.param_device}, "
+            f"batch per tower {config.batch_size}, accum {config.accum}, "
+            f"global batch G = {config.global_batch}")
+
+
+def train(config: TrainConfig, plan: DevicePlan) -> TrainResult:
+    """Trains until `config.max_steps` updates, resuming from train_dir if it holds a checkpoint."""
+    if config.deterministic:
+        tf.config.experimental.enable_op_determinism()
+    source = data.load_source(config.dataset, config.data_dir)
+    state = build_state(config, plan.param_device)
+    checkpoint = state.checkpoint()
+    manager = tf.train.CheckpointManager(checkpoint, config.train_dir, max_to_keep=_CHECKPOINTS_KEPT)
+    if manager.latest_checkpoint:
+        checkpoint.restore(manager.latest_checkpoint).assert_existing_objects_matched()
+        logging.info("resumed from %s at step %d", manager.latest_checkpoint, int(state.step))
+    inner = TowerStep(state.model, state.optimizer, state.step, plan.tower_devices,
+                      plan.param_device, config.accum)
+    batches = iter(data.train_stream(
+        source, seed=config.seed, start_position=int(state.examples_seen),
+        micro_batch=config.batch_size * len(plan.tower_devices), augment=config.augment))
+    logging.info("%s", describe_layout(config, plan))
+    writer = tf.summary.create_file_writer(config.train_dir)
+    global_batch = config.global_batch
+
+    loss = float("nan")
+    timed_updates, timed_seconds = 0, 0.0
+    first_update = True  # it traces the step functions: excluded from the rate
+    step = int(state.step)
+    while step < config.max_steps:
+        start = time.perf_counter()
+        loss = float(inner.run_update(batches))
+        seconds = time.perf_counter() - start
+        state.examples_seen.assign_add(global_batch)
+        step = int(state.step)
+        if not math.isfinite(loss):
+            raise TrainingError(f"loss is {loss} at step {step}; the last checkpoint is left as it was")
+        if not first_update:
+            timed_updates += 1
+            timed_seconds += seconds
+        first_update = False
+        if step % config.log_every == 0 or step == config.max_steps:
+            _log_progress(writer, state, step, loss, global_batch, timed_updates, timed_seconds)
+            timed_updates, timed_seconds = 0, 0.0
+        if step % config.checkpoint_every == 0:
+            manager.save(checkpoint_number=step)
+    if manager.latest_checkpoint is None or not manager.latest_checkpoint.endswith(f"-{step}"):
+        manager.save(checkpoint_number=step)
+    writer.close()
+
+    precision, count = evaluate(state.model, source, config.eval_batch_size, plan.tower_devices[0])
+    logging.info("done: step %d, loss = %.4f, held-out precision @ 1 = %.4f (%d examples)",
+                 step, loss, precision, count)
+    return TrainResult(step, loss, precision, count)
+
+
+def _log_progress(writer: tf.summary.SummaryWriter, state: TrainState, step: int, loss: float,
+                  global_batch: int, timed_updates: int, timed_seconds: float) -> None:
+    learning_rate = float(state.optimizer.learning_rate)
+    with writer.as_default(step=step):
+        tf.summary.scalar("loss", loss)
+        tf.summary.scalar("learning_rate", learning_rate)
+        if timed_updates:
+            tf.summary.scalar("examples_per_sec", global_batch * timed_updates / timed_seconds)
+    if timed_updates:
+        logging.info("step %d, loss = %.4f (%.1f examples/sec; %.3f sec/update)", step, loss,
+                     global_batch * timed_updates / timed_seconds, timed_seconds / timed_updates)
+    else:
+        logging.info("step %d, loss = %.4f (warm-up: tracing, not timed)", step, loss)
