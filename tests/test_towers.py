@@ -35,7 +35,8 @@ def test_average_gradients_is_the_mean_over_towers_and_micro_steps():
 @pytest.mark.parametrize("num_gpus,accum", [(4, 2), (2, 3), (1, 4), (3, 1)])
 def test_towers_and_accumulation_equal_one_plain_step_on_the_concatenated_batch(num_gpus, accum):
     batch = 8
-    run = tower_run(num_gpus=num_gpus, accum=accum, batch_size=batch, learning_rate=LR)
+    run = tower_run(num_gpus=num_gpus, accum=accum, batch_size=batch, optimizer="sgd",
+                    learning_rate=LR)
     rng = np.random.default_rng(7)
     g = batch * num_gpus * accum
     images = rng.normal(size=(g, 24, 24, 3)).astype(np.float32)
@@ -55,7 +56,8 @@ def test_weights_depend_only_on_the_examples_not_on_the_layout():
     layouts = [(64, 1, 1), (8, 1, 8), (8, 4, 2), (8, 8, 1), (16, 2, 2)]
     trajectories = {}
     for batch, num_gpus, accum in layouts:
-        run = tower_run(batch_size=batch, num_gpus=num_gpus, accum=accum, learning_rate=LR)
+        run = tower_run(batch_size=batch, num_gpus=num_gpus, accum=accum, optimizer="sgd",
+                        learning_rate=LR)
         batches = synthetic_batches(run)
         trajectories[batch, num_gpus, accum] = []
         for _ in range(3):

@@ -10,51 +10,65 @@ import logging as stdlib_logging
 import os
 import sys
 import tempfile
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 from absl import app, flags, logging
 
 from tower_train import flags as tt_flags
+from tower_train.config import TrainConfig
 from tower_train.errors import UsageError
+
+if TYPE_CHECKING:
+    from tower_train.devices import DevicePlan
 
 PROG = "tower_train"
 
 
 def main(argv: list[str] | None = None) -> int:
     """Runs `python -m tower_train`; returns the exit status."""
-    argv = sys.argv if argv is None else argv
-    app.define_help_flags()
     try:
-        rest = flags.FLAGS(argv)
-        if len(rest) > 1:
-            raise UsageError(f"unexpected argument {rest[1]!r}: only --flags are accepted")
-        config = tt_flags.config_from_flags()
-    except (UsageError, flags.Error) as e:
-        return _fail(e)
-    logging.use_absl_handler()
-    logging.set_verbosity(logging.INFO)
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TF's C++ info and warnings
-    stdlib_logging.getLogger("tensorflow").setLevel(stdlib_logging.WARNING)  # checkpoint chatter
-    try:
+        config = parse_config(sys.argv if argv is None else argv)
         with _native_startup_lines_hidden():
-            from tower_train import data, devices, trainer
-
-            plan = devices.plan_for_this_machine(
-                config.num_gpus, config.ps_device, config.gpu_memory_mb)
-        from models import model_class
-
+            from tower_train import data, trainer
         trainer.check_train_dir(config.train_dir)
         data.check_data_dir(config.dataset, config.data_dir)
-        model_class(config.model, config.model_module)
-        devices.apply_device_plan(plan)
-        logging.info("%s", plan.message)
+        plan = prepare_devices(config)
         trainer.train(config, plan)
-    except UsageError as e:
-        return _fail(e)
+    except (UsageError, flags.Error) as e:
+        return fail(e)
     except trainer.TrainingError as e:
         print(f"{PROG}: {e}", file=sys.stderr)
         return 1
     return 0
+
+
+def parse_config(argv: list[str]) -> TrainConfig:
+    """Parses the command line into a validated config, and sets up logging."""
+    app.define_help_flags()
+    rest = flags.FLAGS(argv)
+    if len(rest) > 1:
+        raise UsageError(f"unexpected argument {rest[1]!r}: only --flags are accepted")
+    config = tt_flags.config_from_flags()
+    logging.use_absl_handler()
+    logging.set_verbosity(logging.INFO)
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TF's C++ info and warnings
+    return config
+
+
+def prepare_devices(config: TrainConfig) -> DevicePlan:
+    """Checks the model name, then creates the logical devices and logs the plan. Writes nothing."""
+    with _native_startup_lines_hidden():
+        from tower_train import devices
+
+        plan = devices.plan_for_this_machine(config.num_gpus, config.ps_device, config.gpu_memory_mb)
+    # TF sets its logger's level when it loads; its per-checkpoint INFO lines would interleave the progress.
+    stdlib_logging.getLogger("tensorflow").setLevel(stdlib_logging.WARNING)
+    from models import model_class
+
+    model_class(config.model, config.model_module)
+    devices.apply_device_plan(plan)
+    logging.info("%s", plan.message)
+    return plan
 
 
 @contextlib.contextmanager
@@ -82,7 +96,8 @@ def _native_startup_lines_hidden() -> Iterator[None]:
             os.close(saved)
 
 
-def _fail(error: Exception) -> int:
+def fail(error: Exception) -> int:
+    """Prints a bad-input error as one line; returns the exit status for it."""
     print(f"{PROG}: error: {error}", file=sys.stderr)
     return 2
 

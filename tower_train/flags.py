@@ -60,3 +60,19 @@ def config_from_flags() -> TrainConfig:
         learning_rate=LEARNING_RATE.value, augment=AUGMENT.value, log_every=LOG_EVERY.value,
         checkpoint_every=CHECKPOINT_EVERY.value, eval_batch_size=EVAL_BATCH_SIZE.value,
         deterministic=DETERMINISTIC.value)
+
+
+def define_benchmark_flags() -> dict[str, flags.FlagHolder]:
+    """The flags only `python -m tower_train.benchmark` takes, besides the training flags."""
+    return {
+        "configs": flags.DEFINE_list(
+            "configs", ["plain_k1", "tower_k1", "tower_k8"],
+            "What to time, alternating: MODE_kK, MODE in plain | tower; plain is one GradientTape "
+            "step on one device over the same global batch."),
+        "updates": flags.DEFINE_integer("updates", 5, "Timed updates per configuration per round."),
+        "warmup_updates": flags.DEFINE_integer(
+            "warmup_updates", 2, "Untimed updates first (tracing included)."),
+        "rounds": flags.DEFINE_integer(
+            "rounds", 5, "Rounds; each times every configuration once, so machine drift cancels."),
+        "output_json": flags.DEFINE_string("output_json", None, "Also write all results here."),
+    }

@@ -47,7 +47,7 @@ class TrainState:
 @dataclasses.dataclass(frozen=True)
 class TrainResult:
     step: int
-    loss: float
+    loss: float | None  # of the last update; None when there was nothing left to train
     eval_precision: float
     eval_examples: int
 
@@ -128,7 +128,10 @@ def train(config: TrainConfig, plan: DevicePlan) -> TrainResult:
     writer = tf.summary.create_file_writer(config.train_dir)
     global_batch = config.global_batch
 
-    loss = float("nan")
+    if int(state.step) >= config.max_steps:
+        logging.info("step %d already reaches --max_steps=%d: nothing to train",
+                     int(state.step), config.max_steps)
+    loss = None
     timed_updates, timed_seconds = 0, 0.0
     first_update = True  # it traces the step functions: excluded from the rate
     step = int(state.step)
@@ -154,8 +157,9 @@ def train(config: TrainConfig, plan: DevicePlan) -> TrainResult:
     writer.close()
 
     precision, count = evaluate(state.model, source, config.eval_batch_size, plan.tower_devices[0])
-    logging.info("done: step %d, loss = %.4f, held-out precision @ 1 = %.4f (%d examples)",
-                 step, loss, precision, count)
+    trained = "" if loss is None else f", loss = {loss:.4f}"
+    logging.info("done: step %d%s, held-out precision @ 1 = %.4f (%d examples)",
+                 step, trained, precision, count)
     return TrainResult(step, loss, precision, count)
 
 
