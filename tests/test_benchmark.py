@@ -30,4 +30,4 @@ def test_benchmark_refuses_a_bad_config_name(tmp_path):
         capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
-        "tower_train: error: --configs: 'warp_k2' is not MODE_kK with MODE in plain, tower and K >= 1"]
+        "tower_train: error: --configs: 'warp_k2' is not MODE_kK with MODE in plain, tower, mirrored, central_storage and K >= 1"]

@@ -6,7 +6,7 @@ import tensorflow as tf
 
 from tower_train.devices import canonical_device
 from tower_train.towers import average_gradients
-from helpers import synthetic_batches, tower_run, weights
+from helpers import cross_tower_ops, make_run, synthetic_batches, weights
 
 LR = 0.1
 
@@ -35,7 +35,7 @@ def test_average_gradients_is_the_mean_over_towers_and_micro_steps():
 @pytest.mark.parametrize("num_gpus,accum", [(4, 2), (2, 3), (1, 4), (3, 1)])
 def test_towers_and_accumulation_equal_one_plain_step_on_the_concatenated_batch(num_gpus, accum):
     batch = 8
-    run = tower_run(num_gpus=num_gpus, accum=accum, batch_size=batch, optimizer="sgd",
+    run = make_run(num_gpus=num_gpus, accum=accum, batch_size=batch, optimizer="sgd",
                     learning_rate=LR)
     rng = np.random.default_rng(7)
     g = batch * num_gpus * accum
@@ -56,7 +56,7 @@ def test_weights_depend_only_on_the_examples_not_on_the_layout():
     layouts = [(64, 1, 1), (8, 1, 8), (8, 4, 2), (8, 8, 1), (16, 2, 2)]
     trajectories = {}
     for batch, num_gpus, accum in layouts:
-        run = tower_run(batch_size=batch, num_gpus=num_gpus, accum=accum, optimizer="sgd",
+        run = make_run(batch_size=batch, num_gpus=num_gpus, accum=accum, optimizer="sgd",
                         learning_rate=LR)
         batches = synthetic_batches(run)
         trajectories[batch, num_gpus, accum] = []
@@ -64,7 +64,7 @@ def test_weights_depend_only_on_the_examples_not_on_the_layout():
             run.inner.run_update(batches)
             trajectories[batch, num_gpus, accum].append(weights(run.state.model))
     reference = trajectories[layouts[0]]
-    moved = max(np.abs(a - b).max() for a, b in zip(reference[-1], tower_run().state.model.trainable_variables))
+    moved = max(np.abs(a - b).max() for a, b in zip(reference[-1], make_run().state.model.trainable_variables))
     assert moved > 1e-3  # the updates did something, so agreement means something
     for layout, trajectory in trajectories.items():
         for update, (got_weights, want_weights) in enumerate(zip(trajectory, reference)):
@@ -75,7 +75,7 @@ def test_weights_depend_only_on_the_examples_not_on_the_layout():
 
 @pytest.mark.parametrize("ps_device,expected", [("cpu", "/cpu:0"), ("gpu", "/cpu:1")])
 def test_every_variable_lives_on_the_parameter_device(ps_device, expected):
-    run = tower_run(num_gpus=3, accum=2, batch_size=4, ps_device=ps_device, optimizer="momentum")
+    run = make_run(num_gpus=3, accum=2, batch_size=4, ps_device=ps_device, optimizer="momentum")
     variables = run.state.model.weights + run.state.optimizer.variables
     assert len(run.state.optimizer.variables) > len(run.state.model.trainable_variables)  # slots exist
     for v in variables + [run.state.step, run.state.examples_seen]:
@@ -86,46 +86,28 @@ def test_every_variable_lives_on_the_parameter_device(ps_device, expected):
 
 
 def test_apply_runs_once_per_update_and_steps_count_updates():
-    run = tower_run(num_gpus=2, accum=4, batch_size=4, optimizer="momentum")
+    run = make_run(num_gpus=2, accum=4, batch_size=4, optimizer="momentum")
     batches = synthetic_batches(run)
     for _ in range(3):
         run.inner.run_update(batches)
-    assert int(run.state.step) == 3
-    assert int(run.state.optimizer.iterations) == 3
+    assert run.state.step.numpy() == 3
+    assert run.state.optimizer.iterations.numpy() == 3
     for grad_sums in run.inner._grad_sums:  # cleared after each update
         assert all(not np.any(s.numpy()) for s in grad_sums)
 
 
-def _cross_tower_ops(graph, tower_devices):
-    """The ops where values computed on two or more towers first meet: the reductions.
-
-    Each op's tower origins are the towers whose computation its value depends
-    on, followed through every data input whatever device the ops in between
-    carry; variable reads have none.
-    """
-    towers = {canonical_device(d) for d in tower_devices}
-    origins, merges = {}, []
-    for op in graph.get_operations():  # creation order is a topological order
-        inherited = [origins.get(t.op.name, frozenset()) for t in op.inputs]
-        own = {canonical_device(op.device)} & towers if op.device else set()
-        origins[op.name] = frozenset(own).union(*inherited)
-        if len(origins[op.name]) >= 2 and all(len(o) < 2 for o in inherited):
-            merges.append(op)
-    return merges
-
-
 def test_micro_steps_that_do_not_update_move_no_gradient_across_devices():
-    run = tower_run(num_gpus=3, accum=4, batch_size=4)
+    run = make_run(num_gpus=3, accum=4, batch_size=4)
     spec = (tf.TensorSpec([12, 24, 24, 3], tf.float32), tf.TensorSpec([12], tf.int32))
     accumulate = run.inner.accumulate.get_concrete_function(*spec).graph
     update = run.inner.update.get_concrete_function(*spec).graph
     param = canonical_device(run.param_device)
 
-    assert _cross_tower_ops(accumulate, run.tower_devices) == []
+    assert cross_tower_ops(accumulate, run.tower_devices) == []
     assert [op.name for op in accumulate.get_operations()
             if op.device and canonical_device(op.device) == param] == []
 
-    reductions = _cross_tower_ops(update, run.tower_devices)
+    reductions = cross_tower_ops(update, run.tower_devices)
     num_variables = len(run.state.model.trainable_variables)
     assert len(reductions) >= num_variables  # one per variable (plus the loss)
     assert {canonical_device(op.device) for op in reductions} == {param}

@@ -34,8 +34,8 @@ def test_cli_run_writes_checkpoints_and_logs_then_resumes(tmp_path):
     assert first.returncode == 0, first.stderr
     log = first.stderr
     assert "no GPU found for --num_gpus=2: split the CPU into 3 logical devices" in log
-    assert "2 tower(s) on /cpu:1, /cpu:2, parameters on /cpu:0, batch per tower 16, accum 2, " \
-           "global batch G = 64" in log
+    assert "mode=tower (parameter_device reduction), 2 tower(s) on /cpu:1, /cpu:2, variables on " \
+           "/cpu:0, batch per tower 16, accum 2, global batch G = 64" in log
     assert "step 2, loss = " in log and "step 4, loss = " in log
     assert "examples/sec; " in log and " sec/update)" in log
     assert "done: step 4" in log and "(2000 examples)" in log

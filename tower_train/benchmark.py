@@ -21,7 +21,7 @@ import json
 import statistics
 import sys
 import time
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from absl import flags
 
@@ -30,8 +30,11 @@ from tower_train.cli import fail, parse_config, prepare_devices
 from tower_train.config import TrainConfig
 from tower_train.errors import UsageError
 
+if TYPE_CHECKING:
+    from tower_train.devices import DevicePlan
+
 BENCH_FLAGS = tt_flags.define_benchmark_flags()
-KINDS = ("plain", "tower")
+KINDS = ("plain", "tower", "mirrored", "central_storage")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,37 +65,37 @@ def jitter(values: list[float]) -> float:
     return 1.4826 * statistics.median(abs(v - median) for v in values)
 
 
-def build_update(name: str, config: TrainConfig, tower_devices: tuple[str, ...],
-                 param_device: str) -> tuple[Callable[[], object], int]:
+def build_update(name: str, config: TrainConfig, plan: DevicePlan) -> tuple[Callable[[], object], int]:
     """One update of configuration `name` on fixed in-memory data, and its global batch."""
     import numpy as np
     import tensorflow as tf
 
     from tower_train import data
-    from tower_train.tower_mode import TowerStep
+    from tower_train.modes import build_mode
     from tower_train.trainer import build_state
     from tower_train.towers import tower_loss_and_gradients
 
     kind, accum = parse_config_name(name)
-    config = dataclasses.replace(config, accum=accum)
-    micro = config.batch_size * len(tower_devices)
+    micro = config.batch_size * len(plan.tower_devices)
     rng = np.random.default_rng(config.seed)
     with tf.device("/cpu:0"):
         images = tf.constant(rng.normal(size=(micro, data.IMAGE_SIZE, data.IMAGE_SIZE, 3)),
                              tf.float32)
         labels = tf.constant(rng.integers(0, data.NUM_CLASSES, micro), tf.int32)
-    state = build_state(config, param_device)
-    if kind == "tower":
-        inner = TowerStep(state.model, state.optimizer, state.step, tower_devices, param_device,
-                          accum)
+    if kind != "plain":
+        mode = build_mode(dataclasses.replace(config, mode=kind, all_reduce="auto"), plan)
+        state = build_state(config, mode.variable_scope())
+        inner = mode.inner_step(state, accum)
         batches = iter(lambda: (images, labels), None)
         return lambda: inner.run_update(batches).numpy(), micro * accum
+
+    state = build_state(config, tf.device(plan.param_device))
 
     whole_images, whole_labels = tf.tile(images, [accum, 1, 1, 1]), tf.tile(labels, [accum])
 
     @tf.function
     def plain_step() -> tf.Tensor:
-        with tf.device(param_device):
+        with tf.device(plan.param_device):
             loss, grads = tower_loss_and_gradients(state.model, whole_images, whole_labels)
             state.optimizer.apply_gradients(zip(grads, state.model.trainable_variables))
             return loss
@@ -100,11 +103,10 @@ def build_update(name: str, config: TrainConfig, tower_devices: tuple[str, ...],
     return lambda: plain_step().numpy(), micro * accum
 
 
-def run_benchmark(config: TrainConfig, names: list[str], tower_devices: tuple[str, ...],
-                  param_device: str, updates: int, warmup_updates: int,
-                  rounds: int) -> list[Measurement]:
+def run_benchmark(config: TrainConfig, names: list[str], plan: DevicePlan, updates: int,
+                  warmup_updates: int, rounds: int) -> list[Measurement]:
     """Times every configuration, alternating, and returns one Measurement each."""
-    steps = {name: build_update(name, config, tower_devices, param_device) for name in names}
+    steps = {name: build_update(name, config, plan) for name in names}
     for run_update, _ in steps.values():
         for _ in range(warmup_updates):
             run_update()
@@ -153,8 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         if BENCH_FLAGS["warmup_updates"].value < 1:
             raise UsageError("--warmup_updates must be >= 1: the first update traces")
         plan = prepare_devices(config)
-        results = run_benchmark(config, names, plan.tower_devices, plan.param_device,
-                                BENCH_FLAGS["updates"].value, BENCH_FLAGS["warmup_updates"].value,
+        results = run_benchmark(config, names, plan, BENCH_FLAGS["updates"].value, BENCH_FLAGS["warmup_updates"].value,
                                 BENCH_FLAGS["rounds"].value)
     except (UsageError, flags.Error) as e:
         return fail(e)

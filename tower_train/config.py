@@ -10,7 +10,13 @@ import dataclasses
 
 from tower_train.errors import UsageError
 
-MODES = ("tower",)
+MODES = ("tower", "mirrored", "multi_worker", "central_storage")
+ALL_REDUCE_BY_MODE = {
+    "tower": ("auto",),  # tower mode reduces on the parameter device, by hand
+    "mirrored": ("auto", "nccl", "hierarchical_copy", "one_device"),
+    "multi_worker": ("auto", "nccl", "ring"),
+    "central_storage": ("auto",),  # the strategy reduces to its parameter device
+}
 PS_DEVICES = ("cpu", "gpu")
 OPTIMIZERS = ("sgd", "momentum", "adam")
 DATASETS = ("synthetic", "cifar10")
@@ -21,6 +27,8 @@ class TrainConfig:
     """What to train, where and how. Invalid values raise UsageError on construction."""
 
     mode: str = "tower"  # the classic pattern this project exists for
+    all_reduce: str = "auto"  # nccl on whole GPUs; else reduction to one device, or ring across workers
+    collective_timeout: float = 120.0  # seconds a multi_worker collective may wait for a peer before failing
     num_gpus: int = 1  # towers; 1 keeps a plain run plain, as the original's default
     accum: int = 1  # micro-steps per update; 1 = no accumulation
     batch_size: int = 128  # examples per tower per micro-step, as in the original
@@ -43,6 +51,11 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         _one_of("mode", self.mode, MODES)
+        if self.all_reduce not in ALL_REDUCE_BY_MODE[self.mode]:
+            raise UsageError(f"--all_reduce={self.all_reduce}: not for --mode={self.mode}; allowed: "
+                             f"{', '.join(ALL_REDUCE_BY_MODE[self.mode])}")
+        if not self.collective_timeout > 0:
+            raise UsageError(f"--collective_timeout={self.collective_timeout}: must be seconds > 0")
         _one_of("ps_device", self.ps_device, PS_DEVICES)
         _one_of("optimizer", self.optimizer, OPTIMIZERS)
         _one_of("dataset", self.dataset, DATASETS)

@@ -299,7 +299,8 @@ def _distort(image: tf.Tensor, seed: tf.Tensor) -> tf.Tensor:
 
 
 def train_stream(
-    source: ExampleSource, *, seed: int, start_position: int, micro_batch: int, augment: bool
+    source: ExampleSource, *, seed: int, start_position: int, micro_batch: int, augment: bool,
+    shard_index: int = 0, num_shards: int = 1,
 ) -> tf.data.Dataset:
     """Infinite dataset of (images float32 [micro_batch, 24, 24, 3], labels int32 [micro_batch]).
 
@@ -308,7 +309,13 @@ def train_stream(
     Batch b holds positions start_position + b * micro_batch ... + micro_batch - 1, in order, so the stream
     does not depend on micro_batch and resuming at start_position = examples consumed continues it exactly.
     With augment, the distortions of position p are drawn from the stateless seed [seed, p].
+
+    With num_shards > 1 (one shard per worker), the stream is cut into batches of
+    micro_batch x num_shards and this shard gets slice shard_index of each: together the
+    shards read exactly the examples one process would read with the whole batch.
     """
+    if not 0 <= shard_index < num_shards:
+        raise ValueError(f"shard_index must be in 0..{num_shards - 1}, got {shard_index}")
     if micro_batch < 1:
         raise ValueError(f"micro_batch must be >= 1, got {micro_batch}")
     if start_position < 0:
@@ -321,6 +328,7 @@ def train_stream(
         labels = tf.constant(source.train_labels)
 
         def batch(positions: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+            positions = positions[shard_index * micro_batch:(shard_index + 1) * micro_batch]
             indices = _example_indices(positions, seed, n)
             raw = tf.gather(images, indices)
             if augment:
@@ -339,7 +347,7 @@ def train_stream(
 
         # drop_remainder on an infinite stream only makes the static batch dimension known.
         dataset = tf.data.Dataset.counter(start=start_position, dtype=tf.int64)
-        dataset = dataset.batch(micro_batch, drop_remainder=True)
+        dataset = dataset.batch(micro_batch * num_shards, drop_remainder=True)
         dataset = dataset.map(batch, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
         return dataset.prefetch(tf.data.AUTOTUNE)
 

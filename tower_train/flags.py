@@ -7,11 +7,18 @@ from __future__ import annotations
 
 from absl import flags
 
-from tower_train.config import DATASETS, MODES, OPTIMIZERS, PS_DEVICES, TrainConfig
+from tower_train.config import ALL_REDUCE_BY_MODE, DATASETS, MODES, OPTIMIZERS, PS_DEVICES, TrainConfig
 
 _D = TrainConfig()
 
 MODE = flags.DEFINE_string("mode", _D.mode, f"How gradients cross devices: {' | '.join(MODES)}.")
+ALL_REDUCE = flags.DEFINE_string(
+    "all_reduce", _D.all_reduce,
+    "Cross-device reduction of the strategy modes: "
+    + "; ".join(f"{mode}: {' | '.join(choices)}" for mode, choices in ALL_REDUCE_BY_MODE.items()) + ".")
+COLLECTIVE_TIMEOUT = flags.DEFINE_float(
+    "collective_timeout", _D.collective_timeout,
+    "multi_worker: seconds a collective waits for a peer before the worker fails.")
 NUM_GPUS = flags.DEFINE_integer(
     "num_gpus", _D.num_gpus,
     "Number of towers. With fewer GPUs, GPU 0 (or, with none, the CPU) is split into logical "
@@ -52,7 +59,8 @@ DETERMINISTIC = flags.DEFINE_bool(
 def config_from_flags() -> TrainConfig:
     """The parsed flags as a validated config; raises UsageError on a bad value."""
     return TrainConfig(
-        mode=MODE.value, num_gpus=NUM_GPUS.value, accum=ACCUM.value,
+        mode=MODE.value, all_reduce=ALL_REDUCE.value, collective_timeout=COLLECTIVE_TIMEOUT.value,
+        num_gpus=NUM_GPUS.value, accum=ACCUM.value,
         batch_size=BATCH_SIZE.value, ps_device=PS_DEVICE.value,
         gpu_memory_mb=GPU_MEMORY_MB.value, model=MODEL.value, model_module=MODEL_MODULE.value,
         dataset=DATASET.value, data_dir=DATA_DIR.value, max_steps=MAX_STEPS.value,
@@ -76,3 +84,4 @@ def define_benchmark_flags() -> dict[str, flags.FlagHolder]:
             "rounds", 5, "Rounds; each times every configuration once, so machine drift cancels."),
         "output_json": flags.DEFINE_string("output_json", None, "Also write all results here."),
     }
+
