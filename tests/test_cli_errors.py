@@ -8,8 +8,10 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run_cli(*args, cwd=ROOT):
-    env = {**os.environ, "PYTHONPATH": ROOT}
+def run_cli(*args, cwd=ROOT, env=None):
+    """`python -m tower_train ARGS`; the environment's TF_CONFIG is passed on only if `env` gives one."""
+    env = {**{k: v for k, v in os.environ.items() if k != "TF_CONFIG"}, "PYTHONPATH": ROOT,
+           **(env or {})}
     return subprocess.run([sys.executable, "-m", "tower_train", *args], capture_output=True,
                           text=True, cwd=cwd, env=env, timeout=300)
 
@@ -41,11 +43,28 @@ CASES = [
     (["--data_dir={missing}"], "--data_dir"),
     (["--model=no_such_net"], "cifar10_cnn"),
     (["--model_module=no_such_module_xyz"], "no_such_module_xyz"),
+    (["--mode=mirrored", "--all_reduce=ring"], "--all_reduce=ring: not for --mode=mirrored"),
+    (["--all_reduce=nccl"], "--all_reduce=nccl: not for --mode=tower"),
+    (["--mode=mirrored", "--all_reduce=nccl"], "needs one physical GPU per tower"),
+    (["--mode=central_storage", "--all_reduce=one_device"], "allowed: auto"),
+    (["--collective_timeout=0"], "--collective_timeout=0"),
+    (["--mode=multi_worker"], "needs TF_CONFIG"),
 ]
+TWO_WORKERS = '{"cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:2"]}, "task": {"type": "worker", "index": %s}}'
+# (flags, TF_CONFIG, text the error must contain)
+TF_CONFIG_CASES = [
+    (["--mode=multi_worker"], "{oops", "TF_CONFIG is not valid JSON"),
+    (["--mode=multi_worker"], TWO_WORKERS % 2, "task.index=2: out of range"),
+    (["--mode=multi_worker"], '{"cluster": {"worker": ["a:1"]}}', "'task' object"),
+    (["--mode=multi_worker", "--num_gpus=2"], TWO_WORKERS % 0, "pass --num_gpus=1"),
+]
+CASES = [(args, expected, None) for args, expected in CASES] + [
+    (args, expected, tf_config) for args, tf_config, expected in TF_CONFIG_CASES]
 
 
-@pytest.mark.parametrize("args,expected", CASES, ids=[" ".join(a) for a, _ in CASES])
-def test_bad_input_is_one_line_and_writes_nothing(tmp_path, args, expected):
+@pytest.mark.parametrize("args,expected,tf_config", CASES,
+                         ids=[" ".join(a) + (" TF_CONFIG" if t else "") for a, _, t in CASES])
+def test_bad_input_is_one_line_and_writes_nothing(tmp_path, args, expected, tf_config):
     a_file = tmp_path / "a_file"
     a_file.write_text("precious")
     missing = tmp_path / "missing"
@@ -55,7 +74,7 @@ def test_bad_input_is_one_line_and_writes_nothing(tmp_path, args, expected):
     if not any(a.startswith("--train_dir") for a in args):
         args.append(f"--train_dir={train_dir}")
 
-    result = run_cli(*args)
+    result = run_cli(*args, env={"TF_CONFIG": tf_config} if tf_config else None)
 
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()

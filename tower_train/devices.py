@@ -132,15 +132,17 @@ def apply_device_plan(plan: DevicePlan) -> None:
     """
     import tensorflow as tf
 
-    if plan.split != "none":
-        kind = plan.split.upper()
-        physical = tf.config.list_physical_devices(kind)[0]
-        configs = [tf.config.LogicalDeviceConfiguration(memory_limit=plan.gpu_memory_limit_mb)
-                   for _ in range(plan.num_logical)]
-        try:
-            tf.config.set_logical_device_configuration(physical, configs)
-        except RuntimeError:
-            pass  # already initialised: checked below against what exists
+    if plan.split == "none":
+        return  # nothing to create; and listing devices would initialise the runtime too early
+    kind = plan.split.upper()
+    physical = tf.config.list_physical_devices(kind)[0]
+    configs = [tf.config.LogicalDeviceConfiguration(memory_limit=plan.gpu_memory_limit_mb)
+               for _ in range(plan.num_logical)]
+    try:
+        tf.config.set_logical_device_configuration(physical, configs)
+        return
+    except RuntimeError:
+        pass  # already initialised: accepted if the devices exist
     existing = {canonical_device(d.name) for d in tf.config.list_logical_devices()}
     missing = [d for d in (*plan.tower_devices, plan.param_device)
                if canonical_device(d) not in existing]

@@ -8,3 +8,10 @@ class UsageError(Exception):
     prints it as ``tower_train: error: <message>`` and exits with status 2,
     before anything is written.
     """
+
+
+class TrainingError(Exception):
+    """Training cannot go on (a non-finite loss, a lost peer); the message is one line.
+
+    The CLI prints it as ``tower_train: <message>`` and exits with status 1.
+    """

@@ -1,0 +1,161 @@
+"""The strategy modes: same updates as tower mode, one all-reduce per update, and their set-up."""
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tower_train.cluster import WorkerInfo, parse_tf_config
+from tower_train.devices import plan_devices
+from tower_train.errors import UsageError
+from tower_train.modes import fit_plan_to_mode, resolve_all_reduce
+from helpers import cross_tower_ops, make_run, synthetic_batches, weights
+from test_cli_errors import ROOT
+from test_train import checkpoint_values
+
+
+def worker_config(workers, index, chief=False):
+    return json.dumps({"cluster": {"worker": workers}, "task": {"type": "worker", "index": index}})
+
+
+def test_tf_config_gives_index_count_chief_and_peers():
+    assert parse_tf_config(worker_config(["a:1", "b:2"], 1)) == WorkerInfo(1, 2, False, ("a:1",))
+    assert parse_tf_config(worker_config(["a:1", "b:2"], 0)).is_chief
+    with_chief = json.dumps({"cluster": {"chief": ["c:0"], "worker": ["a:1"]},
+                             "task": {"type": "worker", "index": 0}})
+    assert parse_tf_config(with_chief) == WorkerInfo(1, 2, False, ("c:0",))
+
+
+@pytest.mark.parametrize("text,expected", [
+    (None, "needs TF_CONFIG"),
+    ("{not json", "not valid JSON"),
+    ("[1, 2]", "JSON object"),
+    ('{"cluster": {"worker": ["a:1"]}}', "'task' object"),
+    ('{"cluster": {"ps": ["a:1"]}, "task": {"type": "ps", "index": 0}}', "job 'ps'"),
+    ('{"cluster": {"worker": ["nohostport"]}, "task": {"type": "worker", "index": 0}}', "host:port"),
+    (worker_config(["a:1", "b:2"], 2), "task.index=2: out of range"),
+    (worker_config(["a:1"], -1), "task.index=-1"),
+    ('{"cluster": {"worker": ["a:1"]}, "task": {"type": "chief", "index": 0}}', "task.type='chief'"),
+])
+def test_bad_tf_config_is_one_line_naming_the_fault(text, expected):
+    with pytest.raises(UsageError, match=expected) as error:
+        parse_tf_config(text)
+    assert "\n" not in str(error.value)
+
+
+def test_all_reduce_choice_follows_the_devices():
+    gpus = plan_devices(4, "cpu", num_physical_gpus=4)
+    split_gpu = plan_devices(4, "cpu", num_physical_gpus=1, gpu0_memory_mb=8000)
+    cpus = plan_devices(4, "cpu", num_physical_gpus=0)
+    assert resolve_all_reduce("mirrored", "auto", gpus) == "nccl"
+    assert resolve_all_reduce("mirrored", "auto", split_gpu) == "one_device"
+    assert resolve_all_reduce("mirrored", "auto", cpus) == "one_device"
+    assert resolve_all_reduce("mirrored", "hierarchical_copy", gpus) == "hierarchical_copy"
+    assert resolve_all_reduce("multi_worker", "auto", gpus) == "nccl"
+    assert resolve_all_reduce("multi_worker", "auto", plan_devices(0, "cpu", 0)) == "ring"
+    assert resolve_all_reduce("tower", "auto", cpus) == "parameter_device"
+    with pytest.raises(UsageError, match="--all_reduce=nccl: needs one physical GPU per tower"):
+        resolve_all_reduce("mirrored", "nccl", split_gpu)
+
+
+def test_multi_worker_runs_one_cpu_replica_per_worker():
+    assert fit_plan_to_mode("multi_worker", plan_devices(1, "cpu", 0)).tower_devices == ("/cpu:0",)
+    assert fit_plan_to_mode("multi_worker", plan_devices(2, "cpu", 2)).tower_devices == ("/gpu:0", "/gpu:1")
+    with pytest.raises(UsageError, match="pass --num_gpus=1"):
+        fit_plan_to_mode("multi_worker", plan_devices(2, "cpu", 0))
+
+
+@pytest.mark.parametrize("mode", ["mirrored", "central_storage"])
+def test_strategy_modes_apply_tower_modes_updates(mode):
+    layout = dict(num_gpus=3, accum=2, batch_size=8, optimizer="momentum", learning_rate=0.05)
+    tower, other = make_run(**layout), make_run(mode=mode, **layout)
+    tower_batches, other_batches = synthetic_batches(tower), synthetic_batches(other)
+    for update in range(3):
+        tower_loss = float(tower.inner.run_update(tower_batches))
+        other_loss = float(other.inner.run_update(other_batches))
+        assert other_loss == pytest.approx(tower_loss, rel=1e-5)
+        for got, want in zip(weights(other.state.model), weights(tower.state.model)):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=f"update {update}")
+    assert other.state.step.numpy() == 3 and other.state.optimizer.iterations.numpy() == 3
+
+
+def test_mirrored_micro_steps_that_do_not_update_run_no_all_reduce():
+    run = make_run(mode="mirrored", num_gpus=3, accum=4, batch_size=4)
+    spec = (tf.TensorSpec([12, 24, 24, 3], tf.float32), tf.TensorSpec([12], tf.int32))
+    accumulate = run.inner.accumulate.get_concrete_function(*spec).graph
+    update = run.inner.update.get_concrete_function(*spec).graph
+    assert cross_tower_ops(accumulate, run.tower_devices) == []
+    assert len(cross_tower_ops(update, run.tower_devices)) >= len(run.state.model.trainable_variables)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_workers(train_dir, count, extra=(), start=None):
+    addresses = [f"127.0.0.1:{free_port()}" for _ in range(2)]
+    return [subprocess.Popen(
+        [sys.executable, "-m", "tower_train", "--mode=multi_worker", "--num_gpus=1",
+         f"--train_dir={train_dir}", *extra],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "TF_CONFIG": worker_config(addresses, i)})
+        for i in range(count)]
+
+
+LAYOUT = ["--batch_size=16", "--accum=2", "--max_steps=4", "--optimizer=sgd",
+          "--learning_rate=0.1", "--log_every=1", "--collective_timeout=60"]
+
+
+def test_two_workers_equal_tower_mode_with_two_towers(tmp_path):
+    workers = start_workers(tmp_path / "mw", 2, LAYOUT)
+    logs = [w.communicate(timeout=240) for w in workers]
+    for worker, (_, err) in zip(workers, logs):
+        assert worker.returncode == 0, err
+    assert "[worker 0/2] step 4, loss = " in logs[0][1] and "[worker 1/2] step 4, loss = " in logs[1][1]
+    assert "mode=multi_worker (ring reduction)" in logs[0][1] and "global batch G = 64" in logs[0][1]
+    assert sorted(os.listdir(tmp_path / "mw")) == ["checkpoint", "ckpt-4.data-00000-of-00001",
+                                                   "ckpt-4.index"] + sorted(
+        f for f in os.listdir(tmp_path / "mw") if f.startswith("events"))  # no worker's temp dir left
+    tower = subprocess.run([sys.executable, "-m", "tower_train", "--num_gpus=2",
+                            f"--train_dir={tmp_path / 'tower'}", *LAYOUT[:-1]],
+                           cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert tower.returncode == 0, tower.stderr
+    multi, single = checkpoint_values(str(tmp_path / "mw")), checkpoint_values(str(tmp_path / "tower"))
+    assert multi.keys() == single.keys()
+    for name in (n for n in single if n.startswith("model/")):
+        np.testing.assert_allclose(multi[name], single[name], rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def test_a_worker_whose_peer_never_comes_exits_in_bounded_time(tmp_path):
+    start = time.monotonic()
+    (worker,) = start_workers(tmp_path / "alone", 1, ["--collective_timeout=8", "--max_steps=2"])
+    _, err = worker.communicate(timeout=120)
+    assert worker.returncode != 0
+    assert time.monotonic() - start < 60
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("tower_train: [worker 0/2] no progress for 8 s (--collective_timeout): peer(s) 127.0.0.1:")
+    assert "not reachable" in last and "Traceback" not in err
+
+
+def test_a_worker_whose_peer_dies_exits_naming_it(tmp_path):
+    workers = start_workers(tmp_path / "dies", 2, ["--batch_size=16", "--max_steps=100000",
+                                                   "--log_every=1", "--collective_timeout=30"])
+    seen = ""
+    while "step 3," not in seen:
+        seen += workers[1].stderr.readline()
+    workers[1].kill()
+    killed = time.monotonic()
+    _, err = workers[0].communicate(timeout=120)
+    assert workers[0].returncode != 0
+    assert time.monotonic() - killed < 45
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("tower_train: [worker 0/2] ") and "not reachable" in last, err[-2000:]
+    assert "Traceback" not in err
+    workers[1].wait()
