@@ -29,6 +29,7 @@ from tower_train import flags as tt_flags
 from tower_train.cli import fail, parse_config, prepare_devices
 from tower_train.config import TrainConfig
 from tower_train.errors import UsageError
+from tower_train.stats import jitter
 
 if TYPE_CHECKING:
     from tower_train.devices import DevicePlan
@@ -57,12 +58,6 @@ def parse_config_name(name: str) -> tuple[str, int]:
         raise UsageError(f"--configs: {name!r} is not MODE_kK with MODE in {', '.join(KINDS)} "
                          "and K >= 1")
     return kind, int(k)
-
-
-def jitter(values: list[float]) -> float:
-    """1.4826 x median absolute deviation: a spread that one slow outlier does not move."""
-    median = statistics.median(values)
-    return 1.4826 * statistics.median(abs(v - median) for v in values)
 
 
 def build_update(name: str, config: TrainConfig, plan: DevicePlan) -> tuple[Callable[[], object], int]:

@@ -16,7 +16,7 @@ from absl import app, flags, logging
 
 from tower_train import cluster
 from tower_train import flags as tt_flags
-from tower_train.config import TrainConfig
+from tower_train.config import TrainConfig, check_train_dir
 from tower_train.errors import TrainingError, UsageError
 
 if TYPE_CHECKING:
@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
             watchdog = cluster.PeerWatchdog(worker, config.collective_timeout, PROG)  # before TF loads
         with _native_startup_lines_hidden():
             from tower_train import data, trainer
-        trainer.check_train_dir(config.train_dir)
+        check_train_dir(config.train_dir)
         data.check_data_dir(config.dataset, config.data_dir)
         plan = prepare_devices(config)
         if watchdog is None:

@@ -7,6 +7,7 @@ default is written exactly once.
 from __future__ import annotations
 
 import dataclasses
+import os
 
 from tower_train.errors import UsageError
 
@@ -90,3 +91,16 @@ def _one_of(name: str, value: str, allowed: tuple[str, ...]) -> None:
 def _at_least(name: str, value: int, minimum: int) -> None:
     if value < minimum:
         raise UsageError(f"--{name}={value}: must be a whole number >= {minimum}")
+
+
+def check_train_dir(path: str) -> None:
+    """Refuses a train_dir that cannot hold checkpoints, before anything is written."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise UsageError(f"--train_dir={path}: is a file, not a directory")
+    existing = path
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing) or "."
+    if not os.path.isdir(existing):
+        raise UsageError(f"--train_dir={path}: {existing} is a file, so the directory cannot be made")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UsageError(f"--train_dir={path}: {existing} is not writable")

@@ -78,10 +78,28 @@ def define_benchmark_flags() -> dict[str, flags.FlagHolder]:
             "What to time, alternating: MODE_kK, MODE in plain | tower; plain is one GradientTape "
             "step on one device over the same global batch."),
         "updates": flags.DEFINE_integer("updates", 5, "Timed updates per configuration per round."),
-        "warmup_updates": flags.DEFINE_integer(
-            "warmup_updates", 2, "Untimed updates first (tracing included)."),
+        "warmup_updates": _define_warmup_updates(),
         "rounds": flags.DEFINE_integer(
             "rounds", 5, "Rounds; each times every configuration once, so machine drift cancels."),
         "output_json": flags.DEFINE_string("output_json", None, "Also write all results here."),
     }
 
+
+def define_compare_flags() -> dict[str, flags.FlagHolder]:
+    """The flags only `python -m tower_train.compare` takes, besides the training flags."""
+    return {
+        "modes": flags.DEFINE_list(
+            "modes", ["tower", "mirrored", "central_storage"],
+            "Modes to train side by side, alternating update by update: tower | mirrored | "
+            "central_storage (multi_worker needs one process per worker)."),
+        "warmup_updates": _define_warmup_updates(),
+        "plot": flags.DEFINE_bool(
+            "plot", True,
+            "Also write <train_dir>/compare.png (needs matplotlib: pip install -e .[plot])."),
+    }
+
+
+def _define_warmup_updates() -> flags.FlagHolder:
+    return flags.DEFINE_integer(
+        "warmup_updates", 2,
+        "First updates of each configuration left out of examples/sec; the first one traces.")

@@ -21,7 +21,7 @@ from models.base import TowerModel
 from tower_train import data
 from tower_train.config import TrainConfig
 from tower_train.devices import DevicePlan
-from tower_train.errors import TrainingError, UsageError
+from tower_train.errors import TrainingError
 from tower_train.cluster import SINGLE_PROCESS, WorkerInfo
 from tower_train.modes import Mode, build_mode
 
@@ -72,19 +72,6 @@ def build_state(config: TrainConfig, variable_scope: ContextManager) -> TrainSta
         step = tf.Variable(0, name="step", **counter)
         examples_seen = tf.Variable(0, name="examples_seen", **counter)
     return TrainState(model, optimizer, step, examples_seen)
-
-
-def check_train_dir(path: str) -> None:
-    """Refuses a train_dir that cannot hold checkpoints, before anything is written."""
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise UsageError(f"--train_dir={path}: is a file, not a directory")
-    existing = path
-    while not os.path.exists(existing):
-        existing = os.path.dirname(existing) or "."
-    if not os.path.isdir(existing):
-        raise UsageError(f"--train_dir={path}: {existing} is a file, so the directory cannot be made")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise UsageError(f"--train_dir={path}: {existing} is not writable")
 
 
 def evaluate(model: TowerModel, source: data.ExampleSource, batch_size: int,

@@ -1,0 +1,61 @@
+"""The compare command: the modes agree with tower mode, and its output is well-formed."""
+import subprocess
+import sys
+
+import pytest
+
+from test_cli_errors import ROOT
+from tower_train import compare
+from tower_train.config import TrainConfig
+from tower_train.devices import plan_devices
+
+MODES = ["tower", "mirrored", "central_storage"]
+
+
+def test_every_mode_trains_like_tower_mode_and_logs_to_its_own_run(tmp_path):
+    config = TrainConfig(num_gpus=2, accum=2, batch_size=8, max_steps=3, optimizer="sgd",
+                         learning_rate=0.1, train_dir=str(tmp_path))
+    plan = plan_devices(2, "cpu", num_physical_gpus=0)
+    runs = compare.compare_modes(config, plan, MODES)
+    global_batch = 8 * 2 * 2
+    compare.write_summaries(runs, config.train_dir, global_batch, warmup_updates=1)
+    rows = {r.mode: r for r in compare.summarize(runs, global_batch, warmup_updates=1)}
+
+    tower = runs["tower"]
+    assert len(tower.losses) == 3
+    for mode in ("mirrored", "central_storage"):
+        assert runs[mode].losses == pytest.approx(tower.losses, rel=1e-5)
+        assert compare.relative_weight_diff(runs[mode].weights, tower.weights) < 1e-5
+        assert rows[mode].max_rel_weight_diff < 1e-5
+    assert rows["tower"].ratio_to_tower == 1.0
+    for mode in MODES:
+        assert rows[mode].examples_per_sec > 0
+        assert list((tmp_path / mode).glob("events.out.tfevents.*")), mode
+
+
+def test_the_command_prints_a_row_per_mode_and_writes_the_plot(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "tower_train.compare", "--num_gpus=2", "--batch_size=4",
+         "--accum=2", "--max_steps=3", f"--train_dir={tmp_path}"],
+        capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert result.returncode == 0, result.stderr
+    rows = {line.split()[0]: line.split() for line in result.stdout.splitlines()
+            if line.split() and line.split()[0] in MODES}
+    assert list(rows) == MODES
+    # mode, median, '+/-', jitter, ratio, |dloss|, rel dw
+    assert rows["tower"][4] == "1.00"
+    assert all(float(row[4]) > 0 for row in rows.values())
+    assert "global batch G = 16, 3 updates per mode" in result.stdout
+    png = tmp_path / "compare.png"
+    assert f"plot: {png}" in result.stdout
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_multi_worker_is_refused_with_one_line():
+    result = subprocess.run(
+        [sys.executable, "-m", "tower_train.compare", "--modes=multi_worker"],
+        capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("tower_train: error: --modes: multi_worker")
+    assert "python -m tower_train --mode=multi_worker" in lines[0]
