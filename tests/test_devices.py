@@ -36,6 +36,22 @@ def test_splitting_a_gpu_of_unknown_memory_asks_for_the_flag():
         plan_devices(2, "cpu", num_physical_gpus=1, gpu0_memory_mb=None)
 
 
+@pytest.mark.parametrize("num_gpus,gpu0_mb,flag_mb,expected", [
+    (4, 16000, 5000, "--gpu_memory_mb=5000: 4 logical GPUs of 5000 MB need 20000 MB but GPU 0 has 16000 MB"),
+    (4, 16000, 100, "--gpu_memory_mb=100: 4 logical GPUs of 100 MB each; each needs at least 256 MB"),
+    (64, 8000, None, "--num_gpus=64: 64 logical GPUs of 125 MB each; each needs at least 256 MB"),
+    (2, None, 200, "--gpu_memory_mb=200: 2 logical GPUs of 200 MB each; each needs at least 256 MB"),
+])
+def test_a_gpu_split_that_cannot_fit_is_refused_naming_the_culprit(num_gpus, gpu0_mb, flag_mb, expected):
+    with pytest.raises(UsageError, match=expected):
+        plan_devices(num_gpus, "cpu", num_physical_gpus=1, gpu0_memory_mb=gpu0_mb, gpu_memory_mb=flag_mb)
+
+
+def test_a_gpu_split_that_just_fits_is_accepted():
+    plan = plan_devices(4, "cpu", num_physical_gpus=1, gpu0_memory_mb=16000, gpu_memory_mb=4000)
+    assert plan.gpu_memory_limit_mb == 4000 and plan.tower_devices[-1] == "/gpu:3"
+
+
 def test_no_gpu_splits_the_cpu_and_keeps_the_host_apart():
     plan = plan_devices(4, "cpu", num_physical_gpus=0)
     assert plan.split == "cpu" and plan.num_logical == 5

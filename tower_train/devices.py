@@ -14,6 +14,7 @@ import subprocess
 from tower_train.errors import UsageError
 
 HOST_DEVICE = "/cpu:0"  # where input pipelines run and, with --ps_device=cpu, the variables live
+MIN_LOGICAL_GPU_MB = 256  # below this a tower's cuDNN workspace and activations cannot fit
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +64,7 @@ def plan_devices(
 
     Raises:
       UsageError: GPU 0 must be split but its memory is unknown and no
-        `--gpu_memory_mb` was given.
+        `--gpu_memory_mb` was given, or the split does not fit in its memory.
     """
     if num_gpus == 0:
         return DevicePlan((HOST_DEVICE,), HOST_DEVICE, "none", 0, None,
@@ -79,6 +80,7 @@ def plan_devices(
                 f"--num_gpus={num_gpus} needs {num_gpus} GPUs but {num_physical_gpus} found, and "
                 "GPU 0's memory is unknown (no nvidia-smi): pass --gpu_memory_mb=MB for each of its "
                 f"{num_gpus} logical GPUs")
+        _check_gpu_split(num_gpus, limit, gpu0_memory_mb, gpu_memory_mb is not None)
         towers = tuple(f"/gpu:{i}" for i in range(num_gpus))
         split, num_logical = "gpu", num_gpus
         message = (f"{num_physical_gpus} GPU(s) found for --num_gpus={num_gpus}: split GPU 0 into "
@@ -92,6 +94,17 @@ def plan_devices(
         "/gpu:0" if num_physical_gpus >= 1 else towers[0])
     return DevicePlan(towers, param_device, split, num_logical, limit,
                       f"{message}; parameters on {param_device}")
+
+
+def _check_gpu_split(num_gpus: int, limit_mb: int, gpu0_memory_mb: int | None, from_flag: bool) -> None:
+    """Refuses a split of GPU 0 that cannot fit: the one memory shortage knowable before training."""
+    culprit = f"--gpu_memory_mb={limit_mb}" if from_flag else f"--num_gpus={num_gpus}"
+    if limit_mb < MIN_LOGICAL_GPU_MB:
+        raise UsageError(f"{culprit}: {num_gpus} logical GPUs of {limit_mb} MB each; each needs at "
+                         f"least {MIN_LOGICAL_GPU_MB} MB (GPU 0 has {gpu0_memory_mb or 'unknown'} MB)")
+    if gpu0_memory_mb is not None and limit_mb * num_gpus > gpu0_memory_mb:
+        raise UsageError(f"{culprit}: {num_gpus} logical GPUs of {limit_mb} MB need "
+                         f"{limit_mb * num_gpus} MB but GPU 0 has {gpu0_memory_mb} MB")
 
 
 def _span(devices: tuple[str, ...]) -> str:
