@@ -8,8 +8,8 @@ Subclass it like this (see README, "Adding a model"):
 
     @models.register("tiny_mlp")
     class TinyMLP(models.TowerModel):
-        def __init__(self, num_classes: int):
-            super().__init__(num_classes)
+        def __init__(self, num_classes: int, **kwargs):
+            super().__init__(num_classes, **kwargs)
             self.hidden = keras.layers.Dense(64, activation="relu")
             self.logits = keras.layers.Dense(num_classes)
 
@@ -28,10 +28,13 @@ import tensorflow as tf
 class TowerModel(keras.Model):
     """A network for tower-train.
 
-    Subclasses build their layers in `__init__(self, num_classes)` and
-    implement `call(images, training)`: float32 images [B, 24, 24, 3] ->
-    logits [B, num_classes]. They may override `per_example_loss` and
-    `regularization`. The trainer computes each tower's loss as
+    Subclasses build their layers in `__init__(self, num_classes, **kwargs)`
+    (passing `**kwargs` on to this class) and implement `call(images,
+    training)`: float32 images [B, 24, 24, 3] -> logits [B, num_classes].
+    BatchNormalization layers come from `self.batch_norm()`, so that
+    `--sync_bn` reaches them (see models/resnet20.py). Subclasses may
+    override `per_example_loss` and `regularization`. The trainer computes
+    each tower's loss as
 
         mean(per_example_loss(labels, logits)) + regularization()
 
@@ -39,9 +42,21 @@ class TowerModel(keras.Model):
     towers and micro-steps.
     """
 
-    def __init__(self, num_classes: int, **kwargs):
+    def __init__(self, num_classes: int, sync_batch_norm: bool = False, **kwargs):
         super().__init__(**kwargs)
         self.num_classes = num_classes
+        self.sync_batch_norm = sync_batch_norm
+
+    def batch_norm(self, **layer_kwargs) -> keras.layers.BatchNormalization:
+        """A BatchNormalization layer; build every BN layer of the model through this.
+
+        `synchronized` follows `--sync_bn`: False (the default) normalizes each
+        tower's (replica's) own shard; True, under a mirrored strategy,
+        normalizes over the global micro-batch of all replicas, at the cost
+        of all-reduces per BN layer per micro-step. `layer_kwargs` (momentum,
+        epsilon, name, ...) go to the layer as given.
+        """
+        return keras.layers.BatchNormalization(synchronized=self.sync_batch_norm, **layer_kwargs)
 
     def per_example_loss(self, labels: tf.Tensor, logits: tf.Tensor) -> tf.Tensor:
         """int labels [B], logits [B, C] -> loss [B]; softmax cross-entropy unless overridden."""
