@@ -27,8 +27,8 @@ def make_run(**overrides) -> Run:
     config = TrainConfig(**{"train_dir": "/unused", **overrides})
     plan = plan_devices(config.num_gpus, config.ps_device, num_physical_gpus=0)
     mode = build_mode(config, plan)
-    state = build_state(config, mode.variable_scope())
-    return Run(config, state, mode.inner_step(state, config.accum), plan.tower_devices,
+    state = build_state(config, mode.variable_scope(), len(data.load_source("synthetic", None).train_labels))
+    return Run(config, state, mode.inner_step(state, config.accum, config.clip_norm), plan.tower_devices,
                plan.param_device)
 
 

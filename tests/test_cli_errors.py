@@ -49,6 +49,15 @@ CASES = [
     (["--mode=central_storage", "--all_reduce=one_device"], "allowed: auto"),
     (["--collective_timeout=0"], "--collective_timeout=0"),
     (["--mode=multi_worker"], "needs TF_CONFIG"),
+    (["--mode=central_storage", "--model=resnet20"], "CentralStorageStrategy cannot update"),
+    (["--sync_bn"], "--sync_bn: only with --mode=mirrored or multi_worker"),
+    (["--mode=mirrored", "--sync_bn"], "--model=cifar10_cnn has no BatchNormalization layer"),
+    (["--lr_schedule=step"], "allowed: constant, exponential, cosine"),
+    (["--clip_norm=0"], "--clip_norm=0.0"),
+    (["--ema_decay=1"], "--ema_decay=1.0"),
+    (["--warmup_steps=-1"], "--warmup_steps=-1"),
+    (["--export_dir={tmp}"], "exists and is not empty"),
+    (["--export_dir={file}"], "is a file, not a directory"),
 ]
 TWO_WORKERS = '{"cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:2"]}, "task": {"type": "worker", "index": %s}}'
 # (flags, TF_CONFIG, text the error must contain)
@@ -69,7 +78,7 @@ def test_bad_input_is_one_line_and_writes_nothing(tmp_path, args, expected, tf_c
     a_file.write_text("precious")
     missing = tmp_path / "missing"
     train_dir = tmp_path / "train"
-    fill = lambda s: s.format(file=a_file, missing=missing)
+    fill = lambda s: s.format(file=a_file, missing=missing, tmp=tmp_path)
     args = [fill(a) for a in args]
     if not any(a.startswith("--train_dir") for a in args):
         args.append(f"--train_dir={train_dir}")

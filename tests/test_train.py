@@ -3,7 +3,6 @@ import glob
 import os
 
 import numpy as np
-import pytest
 import tensorflow as tf
 
 from tower_train.config import TrainConfig
@@ -30,7 +29,7 @@ def test_cli_run_writes_checkpoints_and_logs_then_resumes(tmp_path):
     train_dir = tmp_path / "run"
     args = ["--num_gpus=2", "--accum=2", "--batch_size=16", "--checkpoint_every=2",
             "--log_every=2", f"--train_dir={train_dir}"]
-    first = run_cli(*args, "--max_steps=4")
+    first = run_cli(*args, "--max_steps=4", "--eval_every=2")
     assert first.returncode == 0, first.stderr
     log = first.stderr
     assert "no GPU found for --num_gpus=2: split the CPU into 3 logical devices" in log
@@ -39,14 +38,15 @@ def test_cli_run_writes_checkpoints_and_logs_then_resumes(tmp_path):
     assert "step 2, loss = " in log and "step 4, loss = " in log
     assert "examples/sec; " in log and " sec/update)" in log
     assert "done: step 4" in log and "(2000 examples)" in log
+    assert "step 2, held-out precision @ 1 = " in log  # --eval_every; step 4 is the final evaluation
     assert sorted(os.path.basename(p) for p in glob.glob(str(train_dir / "ckpt-*.index"))) == \
         ["ckpt-2.index", "ckpt-4.index"]
     values = checkpoint_values(str(train_dir))
     assert values["step/.ATTRIBUTES/VARIABLE_VALUE"] == 4
     assert values["examples_seen/.ATTRIBUTES/VARIABLE_VALUE"] == 4 * 64
-    assert {name.split("/")[0] for name in values} >= {"model", "optimizer", "step"}
+    assert {name.split("/")[0] for name in values} >= {"model", "optimizer", "step", "moving_average"}
     tags = scalar_tags(str(train_dir))
-    assert tags["loss"] == [2, 4] and tags["learning_rate"] == [2, 4]
+    assert tags["loss"] == [2, 4] and tags["learning_rate"] == [2, 4] and tags["eval_precision"] == [2]
     assert tags["examples_per_sec"] == [2, 4]
 
     resumed = run_cli(*args, "--max_steps=6")
@@ -69,7 +69,7 @@ def test_stopping_and_resuming_gives_the_weights_of_an_uninterrupted_run(tmp_pat
     _train(tmp_path / "straight", max_steps=5, **layout)
     interrupted = checkpoint_values(str(tmp_path / "interrupted"))
     straight = checkpoint_values(str(tmp_path / "straight"))
-    weights = [n for n in straight if n.startswith("model/")]
+    weights = [n for n in straight if n.startswith(("model/", "moving_average/"))]
     assert weights and interrupted.keys() == straight.keys()
     for name in weights + ["optimizer/_iterations/.ATTRIBUTES/VARIABLE_VALUE"]:
         np.testing.assert_array_equal(interrupted[name], straight[name], err_msg=name)

@@ -72,6 +72,7 @@ def build_update(name: str, config: TrainConfig, plan: DevicePlan) -> tuple[Call
 
     kind, accum = parse_config_name(name)
     micro = config.batch_size * len(plan.tower_devices)
+    train_examples = len(data.load_source(config.dataset, config.data_dir).train_labels)  # for the schedule
     rng = np.random.default_rng(config.seed)
     with tf.device("/cpu:0"):
         images = tf.constant(rng.normal(size=(micro, data.IMAGE_SIZE, data.IMAGE_SIZE, 3)),
@@ -79,12 +80,13 @@ def build_update(name: str, config: TrainConfig, plan: DevicePlan) -> tuple[Call
         labels = tf.constant(rng.integers(0, data.NUM_CLASSES, micro), tf.int32)
     if kind != "plain":
         mode = build_mode(dataclasses.replace(config, mode=kind, all_reduce="auto"), plan)
-        state = build_state(config, mode.variable_scope())
-        inner = mode.inner_step(state, accum)
+        state = build_state(config, mode.variable_scope(), train_examples)
+        inner = mode.inner_step(state, accum, config.clip_norm)
         batches = iter(lambda: (images, labels), None)
-        return lambda: inner.run_update(batches).numpy(), micro * accum
+        return lambda: inner.run_update(batches)[0].numpy(), micro * accum
 
-    state = build_state(config, tf.device(plan.param_device))
+    state = build_state(config, tf.device(plan.param_device), train_examples)
+    rule = state.update_rule(config.clip_norm)  # the same update-boundary work as the towers'
 
     whole_images, whole_labels = tf.tile(images, [accum, 1, 1, 1]), tf.tile(labels, [accum])
 
@@ -92,7 +94,7 @@ def build_update(name: str, config: TrainConfig, plan: DevicePlan) -> tuple[Call
     def plain_step() -> tf.Tensor:
         with tf.device(plan.param_device):
             loss, grads = tower_loss_and_gradients(state.model, whole_images, whole_labels)
-            state.optimizer.apply_gradients(zip(grads, state.model.trainable_variables))
+            rule.apply(rule.clip(grads))
             return loss
 
     return lambda: plain_step().numpy(), micro * accum

@@ -17,7 +17,8 @@ from absl import app, flags, logging
 from tower_train import cluster
 from tower_train import flags as tt_flags
 from tower_train.config import TrainConfig, check_train_dir
-from tower_train.errors import TrainingError, UsageError
+from tower_train.errors import Stopped, TrainingError, UsageError
+from tower_train.stop_signals import StopSignals
 
 if TYPE_CHECKING:
     from tower_train.devices import DevicePlan
@@ -37,13 +38,19 @@ def main(argv: list[str] | None = None) -> int:
             from tower_train import data, trainer
         check_train_dir(config.train_dir)
         data.check_data_dir(config.dataset, config.data_dir)
-        plan = prepare_devices(config)
+        # The trainer announces the plan once the model is built: a model that cannot run in
+        # this mode is then refused in one line, before anything else is said.
+        plan = prepare_devices(config, announce=False)
+        stop = StopSignals()
         if watchdog is None:
-            trainer.train(config, plan)
+            trainer.train(config, plan, stop=stop)
         else:
-            _train_worker(config, plan, worker, watchdog)
+            _train_worker(config, plan, worker, watchdog, stop)
     except (UsageError, flags.Error) as e:
         return fail(e)
+    except Stopped as e:
+        print(f"{PROG}: {e}", file=sys.stderr)
+        return e.exit_status
     except TrainingError as e:
         print(f"{PROG}: {e}", file=sys.stderr)
         return 1
@@ -51,14 +58,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _train_worker(config: TrainConfig, plan: DevicePlan, worker: cluster.WorkerInfo,
-                  watchdog: cluster.PeerWatchdog) -> None:
+                  watchdog: cluster.PeerWatchdog, stop: StopSignals) -> None:
     """One worker of a multi_worker run; a collective that fails for a lost peer ends it in one line."""
     import tensorflow as tf
 
     from tower_train import trainer
 
     try:
-        trainer.train(config, plan, worker, heartbeat=watchdog.progress)
+        trainer.train(config, plan, worker, heartbeat=watchdog.progress, stop=stop)
     except (tf.errors.UnavailableError, tf.errors.DeadlineExceededError,
             tf.errors.CancelledError, tf.errors.AbortedError) as e:
         raise TrainingError(f"[{worker.name}] a collective failed ({type(e).__name__}): "
@@ -81,9 +88,9 @@ def parse_config(argv: list[str]) -> TrainConfig:
     return config
 
 
-def prepare_devices(config: TrainConfig) -> DevicePlan:
+def prepare_devices(config: TrainConfig, announce: bool = True) -> DevicePlan:
     """Checks the model name and that the mode fits the devices, then creates the logical
-    devices and logs the plan. Writes nothing."""
+    devices and, if `announce`, logs the plan. Writes nothing."""
     with _native_startup_lines_hidden():
         from tower_train import devices, modes
 
@@ -95,7 +102,8 @@ def prepare_devices(config: TrainConfig) -> DevicePlan:
 
     model_class(config.model, config.model_module)
     devices.apply_device_plan(plan)
-    logging.info("%s", plan.message)
+    if announce:
+        logging.info("%s", plan.message)
     return plan
 
 

@@ -110,12 +110,19 @@ class PeerWatchdog:
         self._pid = os.fork()
         if self._pid == 0:  # the child: never returns
             os.close(self._write_end)
+            # A stop signal to the whole process group is the worker's to handle; the child
+            # ends when the worker closes the pipe.
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
             code = _watch(read_end, os.getppid(), worker, timeout, prog)
             os._exit(code)
         os.close(read_end)
 
     def progress(self) -> None:
-        os.write(self._write_end, b".")
+        try:
+            os.write(self._write_end, b".")
+        except BrokenPipeError:
+            pass  # the watchdog was killed from outside: train on unwatched
 
     def stop(self) -> None:
         os.close(self._write_end)

@@ -98,8 +98,8 @@ def compare_modes(config: TrainConfig, plan: DevicePlan, modes: list[str]) -> di
         mode_config = dataclasses.replace(config, mode=m, all_reduce="auto")
         mode = build_mode(mode_config, plan)
         # build_state reseeds, so every mode starts from the same weights.
-        states[m] = build_state(mode_config, mode.variable_scope())
-        steps[m] = mode.inner_step(states[m], config.accum)
+        states[m] = build_state(mode_config, mode.variable_scope(), len(source.train_labels))
+        steps[m] = mode.inner_step(states[m], config.accum, config.clip_norm)
         streams[m] = iter(data.train_stream(
             source, seed=config.seed, start_position=0,
             micro_batch=config.batch_size * len(plan.tower_devices), augment=config.augment))
@@ -108,7 +108,7 @@ def compare_modes(config: TrainConfig, plan: DevicePlan, modes: list[str]) -> di
     for _ in range(config.max_steps):
         for m in modes:
             start = time.perf_counter()
-            losses[m].append(float(steps[m].run_update(streams[m])))  # float() waits for the device
+            losses[m].append(float(steps[m].run_update(streams[m])[0]))  # float() waits for the device
             seconds[m].append(time.perf_counter() - start)
     return {m: ModeRun(m, losses[m], seconds[m],
                        [v.numpy() for v in states[m].model.trainable_variables])

@@ -20,7 +20,11 @@ ALL_REDUCE_BY_MODE = {
 }
 PS_DEVICES = ("cpu", "gpu")
 OPTIMIZERS = ("sgd", "momentum", "adam")
+NONFINITE_POLICIES = ("stop", "skip")
 DATASETS = ("synthetic", "cifar10")
+RUN_FILE = "tower_train_run.json"  # in a train_dir: what its checkpoints were trained with
+SCHEDULES = ("constant", "exponential", "cosine")  # of the learning rate; see tower_train.schedules
+SYNC_BN_MODES = ("mirrored", "multi_worker")  # the modes with a replica context to synchronize in
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +53,16 @@ class TrainConfig:
     checkpoint_every: int = 100  # updates between checkpoints; one is also written at the end
     eval_batch_size: int = 500  # held-out examples per evaluation batch; any size counts every example once
     deterministic: bool = False  # op determinism costs speed; turn it on to reproduce bit for bit
+    nonfinite: str = "stop"  # a NaN usually means a bug or a bad rate: stop and keep the last good checkpoint
+    max_skipped: int = 5  # with --nonfinite=skip, a 6th bad update in a row means the run has diverged
+    lr_schedule: str = "constant"  # Adam's default needs no decay in a short run; "exponential" is the original's
+    warmup_steps: int = 0  # updates of linear warm-up; large G with --scale_lr usually wants a few hundred
+    scale_lr: bool = False  # the linear scaling rule changes the rate the user typed, so only when asked
+    clip_norm: float | None = None  # the original did not clip
+    ema_decay: float = 0.9999  # the original's MOVING_AVERAGE_DECAY; 0 keeps no average
+    eval_every: int = 0  # updates between held-out evaluations during training; 0 = only at the end
+    sync_bn: bool = False  # synchronized BatchNorm costs an all-reduce per BN layer per micro-step
+    export_dir: str | None = None  # where to write a SavedModel at the end; None = no export
 
     def __post_init__(self) -> None:
         _one_of("mode", self.mode, MODES)
@@ -59,10 +73,23 @@ class TrainConfig:
             raise UsageError(f"--collective_timeout={self.collective_timeout}: must be seconds > 0")
         _one_of("ps_device", self.ps_device, PS_DEVICES)
         _one_of("optimizer", self.optimizer, OPTIMIZERS)
+        _one_of("nonfinite", self.nonfinite, NONFINITE_POLICIES)
         _one_of("dataset", self.dataset, DATASETS)
+        _one_of("lr_schedule", self.lr_schedule, SCHEDULES)
+        _at_least("warmup_steps", self.warmup_steps, 0)
+        _at_least("eval_every", self.eval_every, 0)
+        if self.clip_norm is not None and not self.clip_norm > 0:
+            raise UsageError(f"--clip_norm={self.clip_norm}: must be a number > 0 (or unset: no clipping)")
+        if not 0.0 <= self.ema_decay < 1.0:
+            raise UsageError(f"--ema_decay={self.ema_decay}: must be in [0, 1); 0 keeps no average")
+        if self.sync_bn and self.mode not in SYNC_BN_MODES:
+            raise UsageError(f"--sync_bn: only with --mode={' or '.join(SYNC_BN_MODES)}, not "
+                             f"--mode={self.mode} (tower mode normalizes each tower's own shard)")
+        if self.export_dir is not None:
+            check_export_dir(self.export_dir)
         _at_least("num_gpus", self.num_gpus, 0)
         for name in ("accum", "batch_size", "max_steps", "log_every", "checkpoint_every",
-                     "eval_batch_size"):
+                     "eval_batch_size", "max_skipped"):
             _at_least(name, getattr(self, name), 1)
         if self.gpu_memory_mb is not None:
             _at_least("gpu_memory_mb", self.gpu_memory_mb, 1)
@@ -104,3 +131,13 @@ def check_train_dir(path: str) -> None:
         raise UsageError(f"--train_dir={path}: {existing} is a file, so the directory cannot be made")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise UsageError(f"--train_dir={path}: {existing} is not writable")
+
+
+def check_export_dir(path: str) -> None:
+    """Refuses an export_dir that holds anything: an export never overwrites."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise UsageError(f"--export_dir={path}: is a file, not a directory; name a new directory "
+                         "(nothing is overwritten)")
+    if os.path.isdir(path) and os.listdir(path):
+        raise UsageError(f"--export_dir={path}: exists and is not empty; name a new directory "
+                         "(nothing is overwritten)")

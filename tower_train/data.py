@@ -285,6 +285,10 @@ def _center_standardize(images: tf.Tensor) -> tf.Tensor:
     return tf.image.per_image_standardization(tf.cast(crop, tf.float32))
 
 
+# Public: the evaluation preprocessing, which an exported SavedModel applies too (tower_train.export).
+center_standardize = _center_standardize
+
+
 def _distort(image: tf.Tensor, seed: tf.Tensor) -> tf.Tensor:
     """uint8 [32, 32, 3] -> float32 [24, 24, 3]: the original's training distortions, fixed by `seed` (int64 [2])."""
     crop_seed, flip_seed, brightness_seed, contrast_seed = tf.unstack(tf.random.split(seed, 4))

@@ -15,3 +15,15 @@ class TrainingError(Exception):
 
     The CLI prints it as ``tower_train: <message>`` and exits with status 1.
     """
+
+
+class Stopped(Exception):
+    """The run was asked to stop (SIGTERM, SIGINT) and did so at an update boundary, saved.
+
+    The CLI prints the message and exits with 128 + the signal's number, as a
+    shell does for a process that a signal ended.
+    """
+
+    def __init__(self, message: str, signal_number: int):
+        super().__init__(message)
+        self.exit_status = 128 + signal_number

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from absl import flags
 
-from tower_train.config import ALL_REDUCE_BY_MODE, DATASETS, MODES, OPTIMIZERS, PS_DEVICES, TrainConfig
+from tower_train.config import (ALL_REDUCE_BY_MODE, DATASETS, MODES, NONFINITE_POLICIES, OPTIMIZERS,
+                                PS_DEVICES, SCHEDULES, SYNC_BN_MODES, TrainConfig)
 
 _D = TrainConfig()
 
@@ -54,6 +55,30 @@ EVAL_BATCH_SIZE = flags.DEFINE_integer(
     "eval_batch_size", _D.eval_batch_size, "Examples per batch when evaluating held-out data.")
 DETERMINISTIC = flags.DEFINE_bool(
     "deterministic", _D.deterministic, "Enable TensorFlow op determinism.")
+NONFINITE = flags.DEFINE_string(
+    "nonfinite", _D.nonfinite,
+    f"An update with a non-finite loss or gradient is never applied; then: "
+    f"{' | '.join(NONFINITE_POLICIES)} (stop the run, or skip the update and go on).")
+MAX_SKIPPED = flags.DEFINE_integer(
+    "max_skipped", _D.max_skipped, "With --nonfinite=skip: stop after this many skipped in a row.")
+LR_SCHEDULE = flags.DEFINE_string(
+    "lr_schedule", _D.lr_schedule,
+    f"{' | '.join(SCHEDULES)}; exponential = x0.1 every 350 epochs of G-example updates, staircase.")
+WARMUP_STEPS = flags.DEFINE_integer(
+    "warmup_steps", _D.warmup_steps, "Updates of linear learning-rate warm-up.")
+SCALE_LR = flags.DEFINE_bool(
+    "scale_lr", _D.scale_lr, "Linear scaling rule: learning rate x G / 256.")
+CLIP_NORM = flags.DEFINE_float(
+    "clip_norm", _D.clip_norm, "Clip the update's mean gradient to this global norm.")
+EMA_DECAY = flags.DEFINE_float(
+    "ema_decay", _D.ema_decay, "Moving average of the weights, one step per update; 0 = none.")
+EVAL_EVERY = flags.DEFINE_integer(
+    "eval_every", _D.eval_every, "Updates between held-out evaluations; 0 = only at the end.")
+SYNC_BN = flags.DEFINE_bool(
+    "sync_bn", _D.sync_bn,
+    f"Synchronized BatchNormalization across replicas ({' or '.join(SYNC_BN_MODES)} only).")
+EXPORT_DIR = flags.DEFINE_string(
+    "export_dir", _D.export_dir, "At the end, write a SavedModel (images -> logits) here.")
 
 
 def config_from_flags() -> TrainConfig:
@@ -67,7 +92,10 @@ def config_from_flags() -> TrainConfig:
         train_dir=TRAIN_DIR.value, seed=SEED.value, optimizer=OPTIMIZER.value,
         learning_rate=LEARNING_RATE.value, augment=AUGMENT.value, log_every=LOG_EVERY.value,
         checkpoint_every=CHECKPOINT_EVERY.value, eval_batch_size=EVAL_BATCH_SIZE.value,
-        deterministic=DETERMINISTIC.value)
+        deterministic=DETERMINISTIC.value, nonfinite=NONFINITE.value, max_skipped=MAX_SKIPPED.value,
+        lr_schedule=LR_SCHEDULE.value, warmup_steps=WARMUP_STEPS.value, scale_lr=SCALE_LR.value,
+        clip_norm=CLIP_NORM.value, ema_decay=EMA_DECAY.value, eval_every=EVAL_EVERY.value,
+        sync_bn=SYNC_BN.value, export_dir=EXPORT_DIR.value)
 
 
 def define_benchmark_flags() -> dict[str, flags.FlagHolder]:
@@ -96,6 +124,20 @@ def define_compare_flags() -> dict[str, flags.FlagHolder]:
         "plot": flags.DEFINE_bool(
             "plot", True,
             "Also write <train_dir>/compare.png (needs matplotlib: pip install -e .[plot])."),
+    }
+
+
+def define_eval_flags() -> dict[str, flags.FlagHolder]:
+    """The flags only `python -m tower_train.eval` takes, besides the training flags."""
+    return {
+        "checkpoint": flags.DEFINE_string(
+            "checkpoint", None,
+            "Checkpoint to evaluate: a path prefix such as <train_dir>/ckpt-30, or a directory "
+            "(its latest). Default: the latest checkpoint in --train_dir."),
+        "use_ema": flags.DEFINE_bool(
+            "use_ema", True,
+            "Evaluate the moving average of the weights when the checkpoint holds one "
+            "(--ema_decay > 0 in training); --nouse_ema evaluates the trained weights."),
     }
 
 

@@ -67,6 +67,7 @@ class Mode:
     all_reduce: str
     strategy: object | None  # tf.distribute.Strategy; None in tower mode
     worker: WorkerInfo
+    _vote: object | None = dataclasses.field(default=None, repr=False)  # the compiled any_worker
 
     def variable_scope(self) -> ContextManager:
         """Where the model, optimizer and counters are created."""
@@ -74,17 +75,31 @@ class Mode:
 
         return self.strategy.scope() if self.strategy else tf.device(self.plan.param_device)
 
-    def inner_step(self, state, accum: int):
+    def inner_step(self, state, accum: int, clip_norm: float | None = None):
         """The object whose `run_update(batches)` applies one update of `accum` micro-steps."""
+        rule = state.update_rule(clip_norm)
         if self.strategy is None:
             from tower_train.tower_mode import TowerStep
 
-            return TowerStep(state.model, state.optimizer, state.step, self.plan.tower_devices,
-                             self.plan.param_device, accum)
+            return TowerStep(rule, self.plan.tower_devices, self.plan.param_device, accum)
         from tower_train.strategy_mode import StrategyStep
 
-        return StrategyStep(self.strategy, state.model, state.optimizer, state.step, accum,
+        return StrategyStep(self.strategy, rule, accum,
                             first_replica=self.worker.index * len(self.plan.tower_devices))
+
+    def any_worker(self, flag: bool) -> bool:
+        """True on every worker if `flag` is True on any: a scalar all-reduce, only in multi_worker."""
+        if self.worker.count == 1:
+            return flag
+        import tensorflow as tf
+
+        if self._vote is None:
+            def vote(flag_tensor):
+                votes = self.strategy.run(lambda f: f, args=(flag_tensor,))
+                return self.strategy.reduce(tf.distribute.ReduceOp.SUM, votes, axis=None)
+
+            self._vote = tf.function(vote)
+        return int(self._vote(tf.constant(int(flag)))) > 0
 
     @property
     def variables_on(self) -> str:

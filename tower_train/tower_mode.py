@@ -10,36 +10,33 @@ each a separate tf.function, so that no `tf.cond` decides whether to apply:
   the parameter device once, averages them over N x K, applies them, and clears
   the accumulators. Cross-device gradient traffic is therefore paid once per
   update instead of once per micro-step: K times less.
+
+An update whose mean loss or averaged gradient holds a non-finite value is not
+applied at all: no weight, optimizer slot, counter or BatchNorm statistic moves. Tower mode has no
+replica context, so a `tf.cond` on the parameter device decides.
 """
 from __future__ import annotations
 
 from typing import Iterator, Sequence
 
-import keras
 import tensorflow as tf
 
-from models.base import TowerModel
+from tower_train.update_rule import TrainingStatistics, UpdateRule
 from tower_train.towers import average_gradients, run_on_towers, split_batch, tower_loss_and_gradients
 
 
 class TowerStep:
     """The inner step of tower mode for one model, optimizer and device layout."""
 
-    def __init__(
-        self,
-        model: TowerModel,
-        optimizer: keras.optimizers.Optimizer,
-        step: tf.Variable,
-        tower_devices: Sequence[str],
-        param_device: str,
-        accum: int,
-    ):
+    def __init__(self, rule: UpdateRule, tower_devices: Sequence[str], param_device: str, accum: int):
+        model = rule.model
         self._model = model
-        self._optimizer = optimizer
-        self._step = step
+        self._rule = rule
         self._devices = tuple(tower_devices)
         self._param_device = param_device
         self._accum = accum
+        with tf.device(param_device):
+            self._statistics = TrainingStatistics(model)
         # One gradient sum and one loss sum per tower, on that tower's device.
         self._grad_sums: list[list[tf.Variable]] = []
         self._loss_sums: list[tf.Variable] = []
@@ -54,8 +51,12 @@ class TowerStep:
         self.accumulate = tf.function(self._accumulate)
         self.update = tf.function(self._update)
 
-    def run_update(self, batches: Iterator[tuple[tf.Tensor, tf.Tensor]]) -> tf.Tensor:
-        """Takes K global micro-batches from `batches`, applies one update, returns its mean loss."""
+    def run_update(self, batches: Iterator[tuple[tf.Tensor, tf.Tensor]]) -> tuple[tf.Tensor, tf.Tensor]:
+        """Takes K global micro-batches from `batches` and applies one update.
+
+        Returns (mean loss, applied): applied is False when a non-finite value kept
+        the update from being applied.
+        """
         for _ in range(self._accum - 1):
             self.accumulate(*next(batches))
         return self.update(*next(batches))
@@ -75,8 +76,9 @@ class TowerStep:
                     grad_sum.assign_add(grad)
                 loss_sum.assign_add(loss)
 
-    def _update(self, images: tf.Tensor, labels: tf.Tensor) -> tf.Tensor:
-        """The last micro-step of an update; returns the mean loss over its N x K shards."""
+    def _update(self, images: tf.Tensor, labels: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+        """The last micro-step of an update; returns the mean loss over its N x K shards and
+        whether the update was applied."""
         tower_grads, tower_losses = [], []
         for i, (device, (loss, grads)) in enumerate(zip(self._devices, self._towers(images, labels))):
             with tf.device(device):
@@ -88,11 +90,22 @@ class TowerStep:
         with tf.device(self._param_device):
             mean_grads = average_gradients(tower_grads, self._accum)
             mean_loss = tf.add_n(tower_losses) / (len(self._devices) * self._accum)
-            self._optimizer.apply_gradients(zip(mean_grads, self._model.trainable_variables))
-            self._step.assign_add(1)
+            finite = tf.reduce_all(tf.stack(
+                [tf.math.is_finite(mean_loss)] + [tf.reduce_all(tf.math.is_finite(g)) for g in mean_grads]))
+
+            def apply() -> tf.Tensor:
+                self._rule.apply(self._rule.clip(mean_grads))
+                self._statistics.keep()
+                return tf.constant(True)
+
+            def refuse() -> tf.Tensor:
+                self._statistics.restore()
+                return tf.constant(False)
+
+            applied = tf.cond(finite, apply, refuse)
         for device, grad_sums, loss_sum in zip(self._devices, self._grad_sums, self._loss_sums):
             with tf.device(device):
                 for grad_sum in grad_sums:
                     grad_sum.assign(tf.zeros_like(grad_sum))
                 loss_sum.assign(0.0)
-        return mean_loss
+        return mean_loss, applied

@@ -1,0 +1,314 @@
+"""Held-out evaluation: every example once over N towers, and `python -m tower_train.eval`.
+
+The command's results are checked against weights restored here independently
+(the model from the checkpoint, the moving averages read by name), evaluated by
+`evaluate()` with the command's batches and towers, and by a plain one-device pass.
+"""
+import importlib
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import models
+from tower_train import data
+from tower_train.errors import UsageError
+from tower_train.evaluation import correct_counter, evaluate, shard_bounds, use_moving_average
+from tower_train.schedules import MovingAverage
+from test_cli_errors import ROOT, run_cli
+
+TOWERS = ("/cpu:1", "/cpu:2", "/cpu:3")  # conftest made /cpu:0..8
+# A fresh cifar10_cnn predicts one class for (nearly) every image for its first updates, so its
+# precision cannot tell two sets of weights apart. This linear model learns visibly in 2 plain-SGD
+# updates, and its moving average (decay (1 + t) / (10 + t) early on) predicts differently.
+LINEAR_MODULE = '''
+import keras
+import models
+
+
+@models.register("eval_test_linear")
+class Linear(models.TowerModel):
+    def __init__(self, num_classes, **kwargs):
+        super().__init__(num_classes, **kwargs)
+        self.flatten = keras.layers.Flatten()
+        self.logits = keras.layers.Dense(num_classes)
+
+    def call(self, images, training=False):
+        return self.logits(self.flatten(images))
+'''
+MODEL = ["--model_module=eval_test_models", "--model=eval_test_linear"]
+TRAIN = [*MODEL, "--max_steps=2", "--batch_size=8", "--num_gpus=2", "--optimizer=sgd",
+         "--learning_rate=0.1", "--log_every=100"]
+# 3 towers and 999 per batch: batches of 999, 999 and 2, so the last one leaves a tower empty.
+EVAL = [*MODEL, "--num_gpus=3", "--eval_batch_size=999"]
+LINE = re.compile(r"precision @ 1 = (\d\.\d{4}) \((\d+) examples\)")
+
+
+# ------------------------------------------------------------------------------------------------
+# evaluate(): every example exactly once, whatever the batch and the number of towers
+
+
+class SpyModel:
+    """Linear logits, and a count of how often each example id was seen (in a variable, so the
+    count is kept inside the compiled function). Example i carries its id as the brightest
+    pixel of row i, column 0, channel 0 of the central crop."""
+
+    def __init__(self, examples):
+        rng = np.random.default_rng(1)
+        with tf.device("/cpu:0"):
+            self.kernel = tf.constant(rng.normal(size=(24 * 24 * 3, 10)), tf.float32)
+            self.seen = tf.Variable(tf.zeros([examples], tf.int64))
+        self.examples = examples
+
+    def logits(self, images):
+        return tf.reshape(images, [-1, 24 * 24 * 3]) @ self.kernel
+
+    def __call__(self, images, training=False):
+        ids = tf.argmax(images[:, :, 0, 0], axis=1, output_type=tf.int32)
+        self.seen.assign_add(tf.math.bincount(ids, minlength=self.examples, maxlength=self.examples,
+                                              dtype=tf.int64))
+        return self.logits(images)
+
+
+def small_source(examples=10):
+    rng = np.random.default_rng(0)
+    images = rng.integers(0, 100, (examples, 32, 32, 3), dtype=np.uint8)
+    for i in range(examples):
+        images[i, 4 + i, 4, 0] = 255  # row i, column 0 of the central 24x24 crop
+    return images
+
+
+@pytest.mark.parametrize("batch_size", [7, 1, 2000])
+def test_evaluate_counts_every_example_once_over_three_towers(batch_size):
+    images = small_source()
+    model = SpyModel(len(images))
+    with tf.device("/cpu:0"):  # the plain reference: one device, one batch
+        predicted = np.argmax(model.logits(data.center_standardize(images)).numpy(), axis=-1)
+    right = np.array([0, 2, 3, 5, 8])  # these examples get their predicted class as label
+    labels = np.where(np.isin(np.arange(10), right), predicted, (predicted + 1) % 10).astype(np.int32)
+    source = data.ExampleSource("small", images[:1], labels[:1], images, labels)
+
+    precision, count = evaluate(model, source, batch_size, TOWERS)
+
+    assert count == 10
+    assert precision == np.mean(predicted == labels) == 0.5
+    np.testing.assert_array_equal(model.seen.numpy(), np.ones(10))  # each example once, none lost
+
+
+def test_shards_are_contiguous_cover_the_batch_and_differ_by_at_most_one():
+    for batch in range(0, 25):
+        for towers in range(1, 6):
+            bounds = shard_bounds(batch, towers)
+            sizes = [end - start for start, end in bounds]
+            assert bounds[0][0] == 0 and bounds[-1][1] == batch
+            assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
+            assert max(sizes) - min(sizes) <= 1
+
+
+def test_each_shard_runs_on_its_own_tower():
+    model = SpyModel(10)
+    count = correct_counter(model, TOWERS)
+    images = data.center_standardize(small_source())
+    graph = count.get_concrete_function(images, tf.zeros([10], tf.int32)).graph
+    placed = {tf.DeviceSpec.from_string(op.device).device_index for op in graph.get_operations()
+              if op.type in ("If", "StatelessIf")}
+    assert placed == {1, 2, 3}
+
+
+def test_use_moving_average_copies_the_averages_into_the_weights():
+    with tf.device("/cpu:0"):
+        model = models.model_class("cifar10_cnn")(num_classes=10)
+        model(tf.zeros([1, 24, 24, 3]))
+        average = MovingAverage(model.trainable_variables, 0.9)
+    for a in average.averages:
+        a.assign(tf.fill(a.shape, 0.5))
+    use_moving_average(model, average)
+    for w in model.trainable_variables:
+        np.testing.assert_array_equal(w.numpy(), np.full(w.shape, 0.5, np.float32))
+
+
+# ------------------------------------------------------------------------------------------------
+# python -m tower_train.eval
+
+# (name, needs the trained checkpoint, flags, text the error must contain); {run} is the trained
+# train_dir, {tmp} a scratch directory of the case holding an empty directory and a bad checkpoint.
+BAD = [
+    ("empty train_dir", False, ["--train_dir={tmp}/empty"], "--train_dir={tmp}/empty: holds no checkpoint"),
+    ("missing train_dir", False, ["--train_dir={tmp}/missing"], "--train_dir={tmp}/missing: does not exist"),
+    ("missing checkpoint", False, ["--checkpoint={tmp}/empty/ckpt-7"],
+     "--checkpoint={tmp}/empty/ckpt-7: no such checkpoint"),
+    ("unreadable checkpoint", False, ["--checkpoint={tmp}/garbage/ckpt-2"],
+     "--checkpoint={tmp}/garbage/ckpt-2: checkpoint {tmp}/garbage/ckpt-2 is unreadable"),
+    ("unknown model", False, ["--checkpoint={tmp}/garbage/ckpt-2", "--model=no_such_net"],
+     "--model=no_such_net: unknown; registered: "),
+    ("other model, run record", True, ["--train_dir={run}"],
+     "--train_dir={run}: its checkpoints are of --model=eval_test_linear "
+     "(says {run}/tower_train_run.json), not --model=cifar10_cnn"),
+    ("other model, shapes", True, ["--checkpoint={tmp}/copy/ckpt-2"],
+     "--checkpoint={tmp}/copy/ckpt-2: checkpoint {tmp}/copy/ckpt-2 does not fit --model=cifar10_cnn"),
+]
+
+
+def start_eval(*args, cwd=ROOT):
+    env = {**{k: v for k, v in os.environ.items() if k != "TF_CONFIG"},
+           "PYTHONPATH": os.pathsep.join([ROOT, str(cwd)]),
+           "PYTHONDONTWRITEBYTECODE": "1"}  # nothing written next to the model module
+    return subprocess.Popen([sys.executable, "-m", "tower_train.eval", *args], cwd=cwd, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finish(process):
+    stdout, stderr = process.communicate(timeout=300)
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+
+
+def snapshot(directory):
+    """Every file under `directory`, with its size and modification time."""
+    return sorted((os.path.relpath(os.path.join(d, f), directory),
+                   os.stat(os.path.join(d, f)).st_size, os.stat(os.path.join(d, f)).st_mtime_ns)
+                  for d, _, files in os.walk(directory) for f in files)
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    """A directory holding the linear model's module; the commands run there."""
+    directory = tmp_path_factory.mktemp("eval")
+    (directory / "eval_test_models.py").write_text(LINEAR_MODULE)
+    if "eval_test_linear" not in models.model_names():
+        sys.path.insert(0, str(directory))
+        try:
+            importlib.import_module("eval_test_models")
+        finally:
+            sys.path.remove(str(directory))
+    return directory
+
+
+def start_bad(name, args, workspace, train_dir):
+    """Starts one bad-input case in a scratch directory of its own (the default --model,
+    cifar10_cnn); returns (process, scratch directory, its files before)."""
+    tmp = workspace / name.replace(" ", "_").replace(",", "")
+    (tmp / "empty").mkdir(parents=True)
+    (tmp / "garbage").mkdir()
+    (tmp / "garbage" / "ckpt-2.index").write_bytes(b"not a checkpoint index")
+    if os.path.exists(train_dir / "ckpt-2.index"):  # a copy without the run record
+        (tmp / "copy").mkdir()
+        for f in ("ckpt-2.index", "ckpt-2.data-00000-of-00001"):
+            shutil.copy(train_dir / f, tmp / "copy" / f)
+    before = snapshot(tmp)
+    return start_eval(*(a.format(run=train_dir, tmp=tmp) for a in args), cwd=tmp), tmp, before
+
+
+@pytest.fixture(scope="module")
+def runs(workspace):
+    """One 2-update training run of the linear model (it keeps a moving average: the default
+    --ema_decay), and meanwhile the bad inputs that do not need it; then, all at once (they are
+    independent processes), the command with its default weights, with --nouse_ema, and the
+    bad inputs that need the checkpoint. Returns the train_dir and
+    {name: (result, scratch directory or None, its files before)}."""
+    train_dir = workspace / "run"
+    started = {name: start_bad(name, args, workspace, train_dir)
+               for name, needs_run, args, _ in BAD if not needs_run}
+    result = run_cli(*TRAIN, f"--train_dir={train_dir}", cwd=workspace,
+                     env={"PYTHONPATH": os.pathsep.join([ROOT, str(workspace)]),
+                          "PYTHONDONTWRITEBYTECODE": "1"})
+    assert result.returncode == 0, result.stderr
+    before = snapshot(train_dir)
+    started["ema"] = start_eval(*EVAL, f"--train_dir={train_dir}", cwd=workspace), None, None
+    started["trained"] = start_eval(*EVAL, f"--checkpoint={train_dir / 'ckpt-2'}", "--nouse_ema",
+                                    cwd=workspace), None, None
+    started.update({name: start_bad(name, args, workspace, train_dir)
+                    for name, needs_run, args, _ in BAD if needs_run})
+    results = {name: (finish(p), tmp, files) for name, (p, tmp, files) in started.items()}
+    assert snapshot(train_dir) == before  # evaluating, even refused, writes nothing there
+    return train_dir, results
+
+
+def restore_independently(path, moving_average):
+    """The linear model with the checkpoint's weights, or with its moving averages read by name."""
+    with tf.device("/cpu:0"):
+        model = models.model_class("eval_test_linear")(num_classes=10)
+        model(tf.zeros([1, 24, 24, 3]))
+    tf.train.Checkpoint(model=model).restore(path).expect_partial().assert_existing_objects_matched()
+    if moving_average:
+        for i, weight in enumerate(model.trainable_variables):
+            weight.assign(tf.train.load_variable(path, f"moving_average/averages/{i}/.ATTRIBUTES/VARIABLE_VALUE"))
+    return model
+
+
+def plain_correct(model, source):
+    """Correct predictions over the held-out split: numpy preprocessing, one device, one batch."""
+    crop = source.eval_images[:, 4:28, 4:28, :].astype(np.float64)
+    mean = crop.mean(axis=(1, 2, 3), keepdims=True)
+    std = np.maximum(crop.std(axis=(1, 2, 3), keepdims=True), 1 / np.sqrt(24 * 24 * 3))
+    with tf.device("/cpu:0"):
+        logits = model(tf.constant((crop - mean) / std, tf.float32)).numpy()
+    return int(np.sum(np.argmax(logits, -1) == source.eval_labels))
+
+
+def printed(result):
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert len(lines) == 1 and LINE.fullmatch(lines[0]), result.stdout
+    precision, count = LINE.fullmatch(lines[0]).groups()
+    return float(precision), int(count)
+
+
+@pytest.mark.parametrize("weights", ["ema", "trained"])
+def test_eval_prints_the_precision_of_the_restored_weights(runs, weights):
+    train_dir, results = runs
+    result = results[weights][0]
+    precision, count = printed(result)
+    assert count == 2000  # the synthetic held-out split
+    source = data.load_source("synthetic", None)
+    model = restore_independently(str(train_dir / "ckpt-2"), moving_average=weights == "ema")
+
+    expected, expected_count = evaluate(model, source, 999, TOWERS)
+    assert (precision, count) == (round(expected, 4), expected_count)
+    assert abs(plain_correct(model, source) - precision * 2000) <= 1  # float order: at most a tie
+    said = "the moving average of the weights" if weights == "ema" else "the trained weights"
+    assert f"evaluating {said} in {train_dir / 'ckpt-2'}" in result.stderr
+    assert "split the CPU into 4 logical devices, host /cpu:0, towers on /cpu:1../cpu:3" in result.stderr
+
+
+def test_use_ema_and_nouse_ema_evaluate_different_weights(runs):
+    _, results = runs
+    assert printed(results["ema"][0])[0] != printed(results["trained"][0])[0]
+
+
+@pytest.mark.parametrize("name,expected", [(b[0], b[3]) for b in BAD], ids=[b[0] for b in BAD])
+def test_bad_input_is_one_line_and_writes_nothing(runs, name, expected):
+    train_dir, results = runs
+    result, tmp, before = results[name]
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("tower_train: error: ")
+    assert expected.format(run=train_dir, tmp=tmp) in lines[0]
+    assert "Traceback" not in result.stderr and result.stdout == ""
+    assert snapshot(tmp) == before
+
+
+def test_a_damaged_data_file_or_another_network_is_refused_in_one_line(runs):
+    """The checks after the cheap ones, called in this process."""
+    from tower_train import eval as eval_command
+    from tower_train.config import TrainConfig
+
+    train_dir, _ = runs
+    copy = train_dir.parent / "damaged"
+    copy.mkdir()
+    for f in ("ckpt-2.index", "ckpt-2.data-00000-of-00001"):
+        shutil.copy(train_dir / f, copy / f)
+    info = eval_command.find_checkpoint(str(copy / "ckpt-2"), "/unused")
+    assert info.has_moving_average
+    # cifar10_cnn has none of the linear model's names: the restore's own match refuses it.
+    with pytest.raises(UsageError, match="does not hold the weights of --model=cifar10_cnn"):
+        eval_command.restore(TrainConfig(), info, with_average=False, device="/cpu:0")
+    with open(copy / "ckpt-2.data-00000-of-00001", "r+b") as f:
+        f.truncate(1000)
+    with pytest.raises(UsageError, match=f"--checkpoint={copy / 'ckpt-2'}: checkpoint .* is unreadable"):
+        eval_command.find_checkpoint(str(copy / "ckpt-2"), "/unused")

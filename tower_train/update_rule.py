@@ -1,0 +1,81 @@
+"""What happens once per update, and only then, in every mode.
+
+Clip the update's mean gradient, apply it, count the update, move the moving
+average. The learning-rate schedule reads `optimizer.iterations`, which the
+apply moves. A micro-step does none of this, so the learning rate, the
+clipping, the average and the step counter depend only on how many updates
+were applied, never on N or K (unlike keras#19990, where Keras's own
+accumulation advanced some of them per micro-step).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import keras
+import tensorflow as tf
+
+from models.base import TowerModel
+from tower_train.schedules import MovingAverage
+
+
+@dataclasses.dataclass(frozen=True)
+class UpdateRule:
+    model: TowerModel
+    optimizer: keras.optimizers.Optimizer
+    step: tf.Variable  # updates applied (int64)
+    clip_norm: float | None = None
+    moving_average: MovingAverage | None = None
+
+    def clip(self, mean_gradients: list[tf.Tensor]) -> list[tf.Tensor]:
+        """The update's mean gradient (over all G examples) rescaled to a global norm of at
+        most `clip_norm`. Keras's own clipping would clip each replica's share instead."""
+        if self.clip_norm is None:
+            return list(mean_gradients)
+        return tf.clip_by_global_norm(list(mean_gradients), self.clip_norm)[0]
+
+    def apply(self, clipped_gradients: list) -> None:
+        """Applies the clipped mean gradient; in a strategy, call it in cross-replica context
+        with gradients that are already reduced.
+
+        Keras's `apply_gradients` all-reduces the gradients it is given whenever a
+        strategy is active (and clips before that), so it would reduce them a second
+        time. This is its public per-variable `update_step` instead: each copy of a
+        variable takes the copy of the gradient on its own device. The rate is read
+        once, from the schedule at `optimizer.iterations`, before that moves.
+        """
+        rate = self.optimizer.learning_rate
+        extended = tf.distribute.get_strategy().extended
+        for gradient, variable in zip(clipped_gradients, self.model.trainable_variables, strict=True):
+            extended.update(variable.value, self._update_variable, args=(gradient, rate), group=False)
+        self.optimizer.iterations.assign_add(1)
+        self.step.assign_add(1)
+        if self.moving_average is not None:
+            self.moving_average.update(self.model.trainable_variables, self.step)
+
+    def _update_variable(self, variable: tf.Variable, gradient: tf.Tensor, rate: tf.Tensor) -> None:
+        self.optimizer.update_step(gradient, variable, rate)
+
+
+class TrainingStatistics:
+    """The model's non-trainable state that training moves (BatchNorm's moving statistics),
+    and a copy of it as of the last applied update.
+
+    The statistics move inside every tower call, micro-step by micro-step, before anyone
+    knows whether the update will be applied; `restore` undoes that for a refused update,
+    so a non-finite batch cannot poison them. Create it in the variables' scope (the
+    parameter device, or a strategy's scope).
+    """
+
+    def __init__(self, model: TowerModel):
+        self.live = [v.value for v in model.non_trainable_variables]
+        self._kept = [tf.Variable(tf.convert_to_tensor(v), trainable=False, name=f"kept_statistic_{i}",
+                                  aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+                      for i, v in enumerate(self.live)]
+
+    def keep(self) -> None:
+        for kept, live in zip(self._kept, self.live, strict=True):
+            kept.assign(live.read_value())
+
+    def restore(self) -> None:
+        for kept, live in zip(self._kept, self.live, strict=True):
+            live.assign(kept.read_value())
