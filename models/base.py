@@ -21,6 +21,8 @@ Subclass it like this (see README, "Adding a model"):
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import keras
 import tensorflow as tf
 
@@ -40,12 +42,24 @@ class TowerModel(keras.Model):
 
     so the regularization counts once per update, whatever the number of
     towers and micro-steps.
+
+    `call` runs its blocks (a stage, a residual block: a few layers each)
+    through `self.run_block(block, x, training)`, because that is where
+    `--recompute` (gradient checkpointing) acts: training then keeps only the
+    blocks' outputs and recomputes each block's activations in the backward
+    pass, one more forward pass for less memory. Where the boundaries lie
+    decides what is saved, and only the model knows its structure, so the
+    model declares them. The recomputation's updates of BN's moving
+    statistics are dropped, so they move once per call, as without the flag.
     """
 
-    def __init__(self, num_classes: int, sync_batch_norm: bool = False, **kwargs):
+    def __init__(self, num_classes: int, sync_batch_norm: bool = False, recompute: bool = False,
+                 **kwargs):
         super().__init__(**kwargs)
         self.num_classes = num_classes
         self.sync_batch_norm = sync_batch_norm
+        self.recompute = recompute
+        self._runs_blocks = False  # set by run_block, so the trainer can tell --recompute would do nothing
 
     def batch_norm(self, **layer_kwargs) -> keras.layers.BatchNormalization:
         """A BatchNormalization layer; build every BN layer of the model through this.
@@ -57,6 +71,38 @@ class TowerModel(keras.Model):
         epsilon, name, ...) go to the layer as given.
         """
         return keras.layers.BatchNormalization(synchronized=self.sync_batch_norm, **layer_kwargs)
+
+    def run_block(self, block: Callable[..., tf.Tensor], x: tf.Tensor, training: bool = False) -> tf.Tensor:
+        """`block(x, training=training)`: one block of `call`, a layer or a method of one tensor.
+
+        With `recompute` and `training`, under `tf.recompute_grad`: the block's
+        activations are not kept for the gradient but recomputed from `x`. The
+        block must be a pure function of `x` and the weights (no randomness
+        that differs between the two calls).
+        """
+        self._runs_blocks = True
+        if not (self.recompute and training):
+            return block(x, training=training)
+        calls = 0
+
+        def forward(inputs: tf.Tensor) -> tf.Tensor:
+            # tf.recompute_grad calls this twice: the forward pass, then again inside the
+            # gradient. The second call's writes (BN's moving statistics) are dropped, so they
+            # move once, as without recompute; its reads of the weights are real, so the
+            # gradient reaches them.
+            nonlocal calls
+            calls += 1
+            if calls == 1:
+                return block(inputs, training=True)
+            with keras.StatelessScope(initialize_variables=False):
+                return block(inputs, training=True)
+
+        return tf.recompute_grad(forward)(x)
+
+    @property
+    def runs_blocks(self) -> bool:
+        """Whether `call` has run a block through `run_block` (after the model's first call)."""
+        return self._runs_blocks
 
     def per_example_loss(self, labels: tf.Tensor, logits: tf.Tensor) -> tf.Tensor:
         """int labels [B], logits [B, C] -> loss [B]; softmax cross-entropy unless overridden."""

@@ -30,8 +30,11 @@ def _conv(bias: float) -> keras.layers.Conv2D:
 
 
 def _lrn(x: tf.Tensor) -> tf.Tensor:
-    return tf.nn.local_response_normalization(
-        x, depth_radius=4, bias=1.0, alpha=0.001 / 9.0, beta=0.75)
+    # In float32 whatever the compute dtype: a normalization, and TF has no bfloat16 LRN kernel
+    # on the CPU nor a float16 one on the GPU.
+    normalized = tf.nn.local_response_normalization(
+        tf.cast(x, tf.float32), depth_radius=4, bias=1.0, alpha=0.001 / 9.0, beta=0.75)
+    return tf.cast(normalized, x.dtype)
 
 
 @register("cifar10_cnn")
@@ -49,10 +52,18 @@ class Cifar10CNN(TowerModel):
         self.softmax_linear = _dense(num_classes, stddev=1 / 192.0, bias=0.0, activation=None)
 
     def call(self, images: tf.Tensor, training: bool = False) -> tf.Tensor:
-        x = _lrn(self.pool(self.conv1(images)))
-        x = self.pool(_lrn(self.conv2(x)))
-        x = self.local4(self.local3(self.flatten(x)))
+        x = self.run_block(self._stage1, images, training)
+        x = self.run_block(self._stage2, x, training)
+        x = self.run_block(self.local3, self.flatten(x), training)
+        x = self.run_block(self.local4, x, training)
         return self.softmax_linear(x)
+
+    # The blocks --recompute recomputes (see TowerModel.run_block).
+    def _stage1(self, x: tf.Tensor, training: bool = False) -> tf.Tensor:
+        return _lrn(self.pool(self.conv1(x)))
+
+    def _stage2(self, x: tf.Tensor, training: bool = False) -> tf.Tensor:
+        return self.pool(_lrn(self.conv2(x)))
 
     def regularization(self) -> tf.Tensor:
         return _WEIGHT_DECAY * (l2_loss(self.local3.kernel) + l2_loss(self.local4.kernel))

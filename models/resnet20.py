@@ -70,10 +70,13 @@ class ResNet20(TowerModel):
         self.logits = keras.layers.Dense(num_classes)
 
     def call(self, images: tf.Tensor, training: bool = False) -> tf.Tensor:
-        x = tf.nn.relu(self.stem_bn(self.stem(images), training=training))
-        for block in self.blocks:
-            x = block(x, training=training)
+        x = self.run_block(self._stem, images, training)
+        for block in self.blocks:  # the 9 basic blocks, the units --recompute recomputes
+            x = self.run_block(block, x, training)
         return self.logits(self.pool(x))
+
+    def _stem(self, images: tf.Tensor, training: bool = False) -> tf.Tensor:
+        return tf.nn.relu(self.stem_bn(self.stem(images), training=training))
 
     def regularization(self) -> tf.Tensor:
         # Kernels only: decaying BN's gamma/beta would fight the normalization, as in the paper's recipes.

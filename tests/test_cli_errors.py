@@ -58,6 +58,8 @@ CASES = [
     (["--warmup_steps=-1"], "--warmup_steps=-1"),
     (["--export_dir={tmp}"], "exists and is not empty"),
     (["--export_dir={file}"], "is a file, not a directory"),
+    (["--precision=fp8"], "--precision=fp8: unknown; allowed: fp32, bf16, fp16"),
+    (["--num_gpus=2", "--jit_compile"], "--jit_compile: XLA cannot read the variables on /cpu:0"),
 ]
 TWO_WORKERS = '{"cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:2"]}, "task": {"type": "worker", "index": %s}}'
 # (flags, TF_CONFIG, text the error must contain)

@@ -25,6 +25,7 @@ DATASETS = ("synthetic", "cifar10")
 RUN_FILE = "tower_train_run.json"  # in a train_dir: what its checkpoints were trained with
 SCHEDULES = ("constant", "exponential", "cosine")  # of the learning rate; see tower_train.schedules
 SYNC_BN_MODES = ("mirrored", "multi_worker")  # the modes with a replica context to synchronize in
+PRECISIONS = ("fp32", "bf16", "fp16")  # compute dtype of the towers; variables stay float32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +64,9 @@ class TrainConfig:
     eval_every: int = 0  # updates between held-out evaluations during training; 0 = only at the end
     sync_bn: bool = False  # synchronized BatchNorm costs an all-reduce per BN layer per micro-step
     export_dir: str | None = None  # where to write a SavedModel at the end; None = no export
+    precision: str = "fp32"  # the original's; bf16/fp16 pay off only on hardware with fast units for them
+    jit_compile: bool = False  # XLA is not faster on every model and needs towers that hold their variables
+    recompute: bool = False  # recomputing blocks in the backward pass saves memory but costs ~30-40% time
 
     def __post_init__(self) -> None:
         _one_of("mode", self.mode, MODES)
@@ -76,6 +80,7 @@ class TrainConfig:
         _one_of("nonfinite", self.nonfinite, NONFINITE_POLICIES)
         _one_of("dataset", self.dataset, DATASETS)
         _one_of("lr_schedule", self.lr_schedule, SCHEDULES)
+        _one_of("precision", self.precision, PRECISIONS)
         _at_least("warmup_steps", self.warmup_steps, 0)
         _at_least("eval_every", self.eval_every, 0)
         if self.clip_norm is not None and not self.clip_norm > 0:

@@ -72,7 +72,7 @@ def plan_devices(
     if num_physical_gpus >= num_gpus:
         towers = tuple(f"/gpu:{i}" for i in range(num_gpus))
         split, num_logical, limit = "none", 0, None
-        message = f"{num_physical_gpus} GPU(s) found: {num_gpus} tower(s) on {_span(towers)}"
+        message = f"{num_physical_gpus} GPU(s) found: {num_gpus} tower(s) on {device_span(towers)}"
     elif num_physical_gpus >= 1:
         limit = gpu_memory_mb or (gpu0_memory_mb // num_gpus if gpu0_memory_mb else None)
         if limit is None:
@@ -84,12 +84,12 @@ def plan_devices(
         towers = tuple(f"/gpu:{i}" for i in range(num_gpus))
         split, num_logical = "gpu", num_gpus
         message = (f"{num_physical_gpus} GPU(s) found for --num_gpus={num_gpus}: split GPU 0 into "
-                   f"{num_gpus} logical GPUs of {limit} MB each, towers on {_span(towers)}")
+                   f"{num_gpus} logical GPUs of {limit} MB each, towers on {device_span(towers)}")
     else:
         towers = tuple(f"/cpu:{i + 1}" for i in range(num_gpus))
         split, num_logical, limit = "cpu", num_gpus + 1, None
         message = (f"no GPU found for --num_gpus={num_gpus}: split the CPU into {num_gpus + 1} "
-                   f"logical devices, host /cpu:0, towers on {_span(towers)}")
+                   f"logical devices, host /cpu:0, towers on {device_span(towers)}")
     param_device = HOST_DEVICE if ps_device == "cpu" else (
         "/gpu:0" if num_physical_gpus >= 1 else towers[0])
     return DevicePlan(towers, param_device, split, num_logical, limit,
@@ -107,7 +107,8 @@ def _check_gpu_split(num_gpus: int, limit_mb: int, gpu0_memory_mb: int | None, f
                          f"{limit_mb * num_gpus} MB but GPU 0 has {gpu0_memory_mb} MB")
 
 
-def _span(devices: tuple[str, ...]) -> str:
+def device_span(devices: tuple[str, ...]) -> str:
+    """('/cpu:1', '/cpu:2', '/cpu:3') -> '/cpu:1../cpu:3', as the log lines write them."""
     return devices[0] if len(devices) == 1 else f"{devices[0]}..{devices[-1]}"
 
 

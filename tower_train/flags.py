@@ -8,7 +8,7 @@ from __future__ import annotations
 from absl import flags
 
 from tower_train.config import (ALL_REDUCE_BY_MODE, DATASETS, MODES, NONFINITE_POLICIES, OPTIMIZERS,
-                                PS_DEVICES, SCHEDULES, SYNC_BN_MODES, TrainConfig)
+                                PRECISIONS, PS_DEVICES, SCHEDULES, SYNC_BN_MODES, TrainConfig)
 
 _D = TrainConfig()
 
@@ -79,6 +79,18 @@ SYNC_BN = flags.DEFINE_bool(
     f"Synchronized BatchNormalization across replicas ({' or '.join(SYNC_BN_MODES)} only).")
 EXPORT_DIR = flags.DEFINE_string(
     "export_dir", _D.export_dir, "At the end, write a SavedModel (images -> logits) here.")
+PRECISION = flags.DEFINE_string(
+    "precision", _D.precision,
+    f"{' | '.join(PRECISIONS)}: the towers' compute dtype (Keras mixed precision); fp16 adds "
+    "dynamic loss scaling, decided once per update.")
+JIT_COMPILE = flags.DEFINE_bool(
+    "jit_compile", _D.jit_compile,
+    "Compile each tower's forward and backward pass with XLA (towers must hold their variables: "
+    "mirrored, or one tower on the parameter device).")
+RECOMPUTE = flags.DEFINE_bool(
+    "recompute", _D.recompute,
+    "Gradient checkpointing: keep only the model's block outputs and recompute each block's "
+    "activations in the backward pass (tf.recompute_grad).")
 
 
 def config_from_flags() -> TrainConfig:
@@ -95,7 +107,8 @@ def config_from_flags() -> TrainConfig:
         deterministic=DETERMINISTIC.value, nonfinite=NONFINITE.value, max_skipped=MAX_SKIPPED.value,
         lr_schedule=LR_SCHEDULE.value, warmup_steps=WARMUP_STEPS.value, scale_lr=SCALE_LR.value,
         clip_norm=CLIP_NORM.value, ema_decay=EMA_DECAY.value, eval_every=EVAL_EVERY.value,
-        sync_bn=SYNC_BN.value, export_dir=EXPORT_DIR.value)
+        sync_bn=SYNC_BN.value, export_dir=EXPORT_DIR.value, precision=PRECISION.value,
+        jit_compile=JIT_COMPILE.value, recompute=RECOMPUTE.value)
 
 
 def define_benchmark_flags() -> dict[str, flags.FlagHolder]:

@@ -17,7 +17,7 @@ from typing import ContextManager
 
 from tower_train.cluster import SINGLE_PROCESS, WorkerInfo
 from tower_train.config import TrainConfig
-from tower_train.devices import HOST_DEVICE, DevicePlan, plan_devices
+from tower_train.devices import HOST_DEVICE, DevicePlan, device_span, plan_devices
 from tower_train.errors import UsageError
 
 
@@ -75,17 +75,19 @@ class Mode:
 
         return self.strategy.scope() if self.strategy else tf.device(self.plan.param_device)
 
-    def inner_step(self, state, accum: int, clip_norm: float | None = None):
-        """The object whose `run_update(batches)` applies one update of `accum` micro-steps."""
+    def inner_step(self, state, accum: int, clip_norm: float | None = None, jit_compile: bool = False):
+        """The object whose `run_update(batches)` applies one update of `accum` micro-steps;
+        `jit_compile` compiles each tower's forward and backward pass with XLA."""
         rule = state.update_rule(clip_norm)
         if self.strategy is None:
             from tower_train.tower_mode import TowerStep
 
-            return TowerStep(rule, self.plan.tower_devices, self.plan.param_device, accum)
+            return TowerStep(rule, self.plan.tower_devices, self.plan.param_device, accum, jit_compile)
         from tower_train.strategy_mode import StrategyStep
 
         return StrategyStep(self.strategy, rule, accum,
-                            first_replica=self.worker.index * len(self.plan.tower_devices))
+                            first_replica=self.worker.index * len(self.plan.tower_devices),
+                            jit_compile=jit_compile)
 
     def any_worker(self, flag: bool) -> bool:
         """True on every worker if `flag` is True on any: a scalar all-reduce, only in multi_worker."""
@@ -108,10 +110,21 @@ class Mode:
         return "every replica (mirrored)"
 
 
+def check_jit_compile(mode: str, plan: DevicePlan) -> None:
+    """XLA compiles a tower for its own device and cannot read variables held on another one
+    (tensorflow.org/xla/known_issues), so it needs each tower to hold the variables it reads."""
+    if mode in ("tower", "central_storage") and set(plan.tower_devices) != {plan.param_device}:
+        raise UsageError(f"--jit_compile: XLA cannot read the variables on {plan.param_device} from "
+                         f"towers on {device_span(plan.tower_devices)} (--mode={mode}); use --mode=mirrored, "
+                         "or one tower on the parameter device (--num_gpus=1 --ps_device=gpu)")
+
+
 def build_mode(config: TrainConfig, plan: DevicePlan, worker: WorkerInfo = SINGLE_PROCESS) -> Mode:
     """Creates the strategy for `config.mode`; call it before any other TF op runs."""
     import tensorflow as tf
 
+    if config.jit_compile:
+        check_jit_compile(config.mode, plan)
     all_reduce = resolve_all_reduce(config.mode, config.all_reduce, plan)
     if config.mode == "tower":
         strategy = None

@@ -23,7 +23,8 @@ below). As in tower mode, an update of K micro-steps is K - 1 calls of
   any replica.
 
 The loss scaling is written once, here: scale = 1 / (N x K) on a per-shard
-mean, which equals `tf.nn.compute_average_loss` with the global batch G.
+mean, which equals `tf.nn.compute_average_loss` with the global batch G
+(divided, in float16, by the dynamic loss scale the sums were multiplied by).
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ from typing import Iterator
 
 import tensorflow as tf
 
-from tower_train.towers import tower_loss_and_gradients
+from tower_train.towers import tower_function
 from tower_train.update_rule import TrainingStatistics, UpdateRule
 
 
@@ -49,10 +50,12 @@ class StrategyStep:
         rule: UpdateRule,
         accum: int,
         first_replica: int = 0,
+        jit_compile: bool = False,
     ):
         self._strategy = strategy
         model = rule.model
-        self._model = model
+        self._tower = tower_function(
+            model, rule.loss_scale.value if rule.loss_scale else None, jit_compile)
         self._rule = rule
         self._accum = accum
         self._first_replica = first_replica  # global id of this worker's first replica
@@ -102,7 +105,7 @@ class StrategyStep:
         self._strategy.run(self._accumulate_replica, args=(self._per_replica(images, labels),))
 
     def _accumulate_replica(self, shard: tuple[tf.Tensor, tf.Tensor]) -> tf.Tensor:
-        loss, grads = tower_loss_and_gradients(self._model, *shard)
+        loss, grads = self._tower(*shard)
         for grad_sum, grad in zip(self._grad_sums, grads, strict=True):
             grad_sum.assign_add(grad)
         self._loss_sum.assign_add(loss)
@@ -126,6 +129,8 @@ class StrategyStep:
 
     def _apply_replica(self) -> None:
         scale = self._scale * self._accumulated_share
+        if self._rule.loss_scale is not None:  # float16: the sums hold S x gradients
+            scale = scale / self._rule.loss_scale.value.read_value()
         context = tf.distribute.get_replica_context()
         replicas = self._strategy.num_replicas_in_sync
         statistics = self._statistics.live
@@ -147,6 +152,7 @@ class StrategyStep:
 
     def _discard(self) -> None:
         self._strategy.run(self._discard_replica)
+        self._rule.refuse()
 
     def _discard_replica(self) -> None:
         self._statistics.restore()

@@ -22,15 +22,17 @@ from typing import Iterator, Sequence
 import tensorflow as tf
 
 from tower_train.update_rule import TrainingStatistics, UpdateRule
-from tower_train.towers import average_gradients, run_on_towers, split_batch, tower_loss_and_gradients
+from tower_train.towers import average_gradients, run_on_towers, split_batch, tower_function
 
 
 class TowerStep:
     """The inner step of tower mode for one model, optimizer and device layout."""
 
-    def __init__(self, rule: UpdateRule, tower_devices: Sequence[str], param_device: str, accum: int):
+    def __init__(self, rule: UpdateRule, tower_devices: Sequence[str], param_device: str, accum: int,
+                 jit_compile: bool = False):
         model = rule.model
-        self._model = model
+        self._tower = tower_function(
+            model, rule.loss_scale.value if rule.loss_scale else None, jit_compile)
         self._rule = rule
         self._devices = tuple(tower_devices)
         self._param_device = param_device
@@ -62,9 +64,7 @@ class TowerStep:
         return self.update(*next(batches))
 
     def _towers(self, images: tf.Tensor, labels: tf.Tensor) -> list[tuple[tf.Tensor, list[tf.Tensor]]]:
-        return run_on_towers(
-            lambda x, y: tower_loss_and_gradients(self._model, x, y),
-            self._devices, split_batch(images, labels, len(self._devices)))
+        return run_on_towers(self._tower, self._devices, split_batch(images, labels, len(self._devices)))
 
     def _accumulate(self, images: tf.Tensor, labels: tf.Tensor) -> None:
         """A micro-step that does not update: [N*b, 24, 24, 3], [N*b] -> nothing."""
@@ -89,6 +89,8 @@ class TowerStep:
             tower_losses.append(loss)
         with tf.device(self._param_device):
             mean_grads = average_gradients(tower_grads, self._accum)
+            if self._rule.loss_scale is not None:
+                mean_grads = self._rule.loss_scale.unscale(mean_grads)
             mean_loss = tf.add_n(tower_losses) / (len(self._devices) * self._accum)
             finite = tf.reduce_all(tf.stack(
                 [tf.math.is_finite(mean_loss)] + [tf.reduce_all(tf.math.is_finite(g)) for g in mean_grads]))
@@ -100,6 +102,7 @@ class TowerStep:
 
             def refuse() -> tf.Tensor:
                 self._statistics.restore()
+                self._rule.refuse()
                 return tf.constant(False)
 
             applied = tf.cond(finite, apply, refuse)

@@ -1,6 +1,7 @@
 """The three pieces of the tower pattern, kept apart as in tensorpack.
 
-1. `tower_loss_and_gradients`: what one tower computes, knowing nothing of devices.
+1. `tower_loss_and_gradients` (and `tower_function`, which binds the model):
+   what one tower computes, knowing nothing of devices.
 2. `run_on_towers`: the placement, which calls a tower function once per device.
 3. `average_gradients`: the pure cross-tower reduction.
 
@@ -22,7 +23,7 @@ T = TypeVar("T")
 
 
 def tower_loss_and_gradients(
-    model: TowerModel, images: tf.Tensor, labels: tf.Tensor
+    model: TowerModel, images: tf.Tensor, labels: tf.Tensor, loss_scale: tf.Tensor | None = None
 ) -> tuple[tf.Tensor, list[tf.Tensor]]:
     """One tower's forward and backward pass.
 
@@ -30,16 +31,31 @@ def tower_loss_and_gradients(
       model: the network; its variables may live on another device.
       images: float32 [b, 24, 24, 3], this tower's shard.
       labels: int32 [b].
+      loss_scale: float32 scalar S (float16 training) or None (S = 1).
 
     Returns:
       (loss, gradients): the scalar mean loss over the shard plus the model's
-      regularization, and its gradient for each of `model.trainable_variables`
-      (same order and shapes).
+      regularization, and the gradient of S x loss for each of
+      `model.trainable_variables` (same order and shapes, float32).
     """
     with tf.GradientTape() as tape:
         logits = model(images, training=True)
         loss = tf.reduce_mean(model.per_example_loss(labels, logits)) + model.regularization()
-    return loss, tape.gradient(loss, model.trainable_variables)
+        scaled = loss if loss_scale is None else loss * loss_scale
+    return loss, tape.gradient(scaled, model.trainable_variables)
+
+
+def tower_function(
+    model: TowerModel, loss_scale: tf.Variable | None = None, jit_compile: bool = False
+) -> Callable[[tf.Tensor, tf.Tensor], tuple[tf.Tensor, list[tf.Tensor]]]:
+    """`tower_loss_and_gradients` of `model` as a function of (images, labels), reading the
+    current loss scale at every call; with `jit_compile`, compiled by XLA for the device it
+    is called on (which must hold the model's variables: XLA cannot read another device's)."""
+    def tower(images: tf.Tensor, labels: tf.Tensor) -> tuple[tf.Tensor, list[tf.Tensor]]:
+        return tower_loss_and_gradients(
+            model, images, labels, None if loss_scale is None else loss_scale.read_value())
+
+    return tf.function(tower, jit_compile=True) if jit_compile else tower
 
 
 def run_on_towers(

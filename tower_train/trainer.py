@@ -5,13 +5,15 @@ module only decides when to call it and what to record around it.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import math
 import os
 import signal
 import shutil
 import time
-from typing import Callable, ContextManager
+from typing import Callable, ContextManager, Iterator
 
 import keras
 import tensorflow as tf
@@ -29,10 +31,12 @@ from tower_train.cluster import SINGLE_PROCESS, WorkerInfo
 from tower_train.modes import Mode, build_mode
 from tower_train.schedules import MovingAverage, UpdateSchedule, scaled_rate, updates_per_decay
 from tower_train.stop_signals import StopSignals
-from tower_train.update_rule import UpdateRule
+from tower_train.update_rule import LossScale, UpdateRule
 
 _MOMENTUM = 0.9  # the usual value for --optimizer=momentum
 _CHECKPOINTS_KEPT = 5  # enough to fall back past a bad one, small enough to ignore
+# Keras's mixed-precision policies: the towers compute in the first dtype, variables stay float32.
+_DTYPE_POLICIES = {"fp32": "float32", "bf16": "mixed_bfloat16", "fp16": "mixed_float16"}
 
 
 @dataclasses.dataclass
@@ -44,14 +48,17 @@ class TrainState:
     step: tf.Variable  # updates applied (int64)
     examples_seen: tf.Variable  # position in the example stream (int64), so resuming continues it
     moving_average: MovingAverage | None  # of the trainable weights; None with --ema_decay=0
+    loss_scale: LossScale | None = None  # only with --precision=fp16
 
     def checkpoint(self) -> tf.train.Checkpoint:
-        kept = {} if self.moving_average is None else {"moving_average": self.moving_average}
+        optional = {"moving_average": self.moving_average, "loss_scale": self.loss_scale}
+        kept = {name: value for name, value in optional.items() if value is not None}
         return tf.train.Checkpoint(model=self.model, optimizer=self.optimizer, step=self.step,
                                    examples_seen=self.examples_seen, **kept)
 
     def update_rule(self, clip_norm: float | None) -> UpdateRule:
-        return UpdateRule(self.model, self.optimizer, self.step, clip_norm, self.moving_average)
+        return UpdateRule(self.model, self.optimizer, self.step, clip_norm, self.moving_average,
+                          self.loss_scale)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,20 +101,44 @@ def build_state(config: TrainConfig, variable_scope: ContextManager, train_examp
         examples_seen = tf.Variable(0, name="examples_seen", **counter)
         moving_average = (MovingAverage(model.trainable_variables, config.ema_decay)
                           if config.ema_decay else None)
-    return TrainState(model, optimizer, step, examples_seen, moving_average)
+        loss_scale = LossScale() if config.precision == "fp16" else None
+    return TrainState(model, optimizer, step, examples_seen, moving_average, loss_scale)
+
+
+@contextlib.contextmanager
+def _dtype_policy(precision: str) -> Iterator[None]:
+    """Keras reads the policy when a layer is made, so it is set only while the model is built."""
+    previous = keras.config.dtype_policy()
+    keras.config.set_dtype_policy(_DTYPE_POLICIES[precision])
+    try:
+        yield
+    finally:
+        keras.config.set_dtype_policy(previous)
 
 
 def _build_model(config: TrainConfig) -> TowerModel:
+    with _dtype_policy(config.precision):
+        return _build_model_in_policy(config)
+
+
+def _build_model_in_policy(config: TrainConfig) -> TowerModel:
     cls = model_class(config.model, config.model_module)
-    if config.sync_bn:
-        try:
-            model = cls(num_classes=data.NUM_CLASSES, sync_batch_norm=True)
-        except TypeError as e:  # its __init__ does not pass sync_batch_norm on to TowerModel
-            raise UsageError(f"--sync_bn: --model={config.model} does not accept sync_batch_norm "
-                             f"({str(e).splitlines()[0] if str(e) else 'TypeError'})") from None
-    else:
-        model = cls(num_classes=data.NUM_CLASSES)
+    # A flag's TowerModel kwarg is passed only when set, so that a model whose __init__ takes
+    # num_classes alone still trains without it.
+    asked = {flag: kwarg for flag, kwarg, on in (("--sync_bn", "sync_batch_norm", config.sync_bn),
+                                                ("--recompute", "recompute", config.recompute)) if on}
+    try:
+        model = cls(num_classes=data.NUM_CLASSES, **{kwarg: True for kwarg in asked.values()})
+    except TypeError as e:  # its __init__ does not pass **kwargs on to TowerModel
+        if not asked:
+            raise
+        raise UsageError(f"{' '.join(asked)}: --model={config.model} does not accept "
+                         f"{', '.join(asked.values())} "
+                         f"({str(e).splitlines()[0] if str(e) else 'TypeError'})") from None
     model(tf.zeros([1, data.IMAGE_SIZE, data.IMAGE_SIZE, 3]))
+    if config.recompute and not model.runs_blocks:
+        raise UsageError(f"--recompute: --model={config.model} runs no block through "
+                         "self.run_block, so there is nothing to recompute (see README, \"Adding a model\")")
     if config.sync_bn and not any(isinstance(layer, keras.layers.BatchNormalization)
                                   for layer in model._flatten_layers()):  # every nested layer
         raise UsageError(f"--sync_bn: --model={config.model} has no BatchNormalization layer")
@@ -156,7 +187,7 @@ def train(config: TrainConfig, plan: DevicePlan, worker: WorkerInfo = SINGLE_PRO
     latest = _restore_latest_readable(checkpoint, config.train_dir, log)
     if latest:
         log("resumed from %s at step %d", latest, _value(state.step))
-    inner = mode.inner_step(state, config.accum, config.clip_norm)
+    inner = mode.inner_step(state, config.accum, config.clip_norm, config.jit_compile)
     batches = iter(data.train_stream(
         source, seed=config.seed, start_position=_value(state.examples_seen),
         micro_batch=config.batch_size * len(plan.tower_devices), augment=config.augment,
@@ -182,6 +213,9 @@ def train(config: TrainConfig, plan: DevicePlan, worker: WorkerInfo = SINGLE_PRO
             seconds = time.perf_counter() - start
             heartbeat()
             state.examples_seen.assign_add(global_batch)
+            if not applied and _is_overflow(state.loss_scale, loss):
+                _overflow(log, writer, _value(state.step) + 1, state.loss_scale)
+                continue
             if not applied:
                 skipped_in_a_row += 1
                 skipped += 1
@@ -301,6 +335,23 @@ def _nonfinite(config: TrainConfig, log, writer: tf.summary.SummaryWriter, updat
     log("%s; skipped (%d in a row, %d in all)", what, in_a_row, in_all)
 
 
+def _is_overflow(loss_scale: LossScale | None, loss: float) -> bool:
+    """Whether a refused update was a float16 gradient overflow, which the loss scale handles,
+    rather than a non-finite update for --nonfinite: the loss is finite and the halved scale
+    is still >= 1. Below 1 the scale no longer guards float16's range, so the gradient itself
+    is non-finite, and halving on forever would never stop the run."""
+    return loss_scale is not None and math.isfinite(loss) and float(loss_scale.value.numpy()) >= 1.0
+
+
+def _overflow(log, writer: tf.summary.SummaryWriter, update: int, loss_scale: LossScale) -> None:
+    """A float16 gradient overflow: the update was skipped and the scale halved, as designed;
+    it does not count against --nonfinite."""
+    scale = float(loss_scale.value.numpy())
+    with writer.as_default(step=update):
+        tf.summary.scalar("loss_scale", scale)
+    log("update %d: float16 gradient overflow; update skipped, loss scale lowered to %g", update, scale)
+
+
 def _value(variable: tf.Variable) -> int:
     return int(variable.numpy())
 
@@ -314,13 +365,16 @@ def _worker_logger(worker: WorkerInfo):
 def _log_progress(log, writer: tf.summary.SummaryWriter, state: TrainState, step: int, loss: float,
                   global_batch: int, timed_updates: int, timed_seconds: float) -> None:
     learning_rate = float(tf.convert_to_tensor(state.optimizer.learning_rate))
+    scale = "" if state.loss_scale is None else f", loss scale {state.loss_scale.value.numpy():g}"
     with writer.as_default(step=step):
         tf.summary.scalar("loss", loss)
         tf.summary.scalar("learning_rate", learning_rate)
+        if state.loss_scale is not None:
+            tf.summary.scalar("loss_scale", state.loss_scale.value)
         if timed_updates:
             tf.summary.scalar("examples_per_sec", global_batch * timed_updates / timed_seconds)
     if timed_updates:
-        log("step %d, loss = %.4f (%.1f examples/sec; %.3f sec/update)", step, loss,
-                     global_batch * timed_updates / timed_seconds, timed_seconds / timed_updates)
+        log("step %d, loss = %.4f%s (%.1f examples/sec; %.3f sec/update)", step, loss, scale,
+            global_batch * timed_updates / timed_seconds, timed_seconds / timed_updates)
     else:
-        log("step %d, loss = %.4f (warm-up: tracing, not timed)", step, loss)
+        log("step %d, loss = %.4f%s (warm-up: tracing, not timed)", step, loss, scale)

@@ -1,7 +1,7 @@
 """What happens once per update, and only then, in every mode.
 
 Clip the update's mean gradient, apply it, count the update, move the moving
-average. The learning-rate schedule reads `optimizer.iterations`, which the
+average and, in float16, the loss scale. The learning-rate schedule reads `optimizer.iterations`, which the
 apply moves. A micro-step does none of this, so the learning rate, the
 clipping, the average and the step counter depend only on how many updates
 were applied, never on N or K (unlike keras#19990, where Keras's own
@@ -18,6 +18,41 @@ from models.base import TowerModel
 from tower_train.schedules import MovingAverage
 
 
+class LossScale(tf.Module):
+    """Dynamic loss scaling for float16, one decision per update.
+
+    Every micro-step's tower loss is multiplied by `value`, so the small
+    gradients of float16 activations do not flush to zero; the accumulated
+    gradient is divided by it once, at the update. An update whose gradient is
+    non-finite (an overflow) is skipped on every tower and replica, and the
+    scale halves; after `GROWTH_UPDATES` finite updates in a row it doubles.
+    This is Keras's LossScaleOptimizer policy, moved from the micro-step to the
+    update: Keras's would also count micro-steps. Create it in the variables'
+    scope; it is checkpointed, so a resumed run continues with the same scale.
+    """
+
+    INITIAL = 2.0 ** 15  # Keras's initial scale
+    GROWTH_UPDATES = 2000  # Keras's dynamic_growth_steps, counted in updates
+
+    def __init__(self):
+        super().__init__(name="loss_scale")
+        replicated = dict(trainable=False, aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+        self.value = tf.Variable(self.INITIAL, name="value", **replicated)
+        self.good_updates = tf.Variable(0, dtype=tf.int64, name="good_updates", **replicated)
+
+    def unscale(self, gradients: list[tf.Tensor]) -> list[tf.Tensor]:
+        return [g / self.value for g in gradients]
+
+    def after_applied(self) -> None:
+        grow = self.good_updates + 1 >= self.GROWTH_UPDATES
+        self.value.assign(tf.where(grow, self.value * 2.0, self.value))
+        self.good_updates.assign(tf.where(grow, tf.constant(0, tf.int64), self.good_updates + 1))
+
+    def after_refused(self) -> None:
+        self.value.assign(self.value / 2.0)
+        self.good_updates.assign(0)
+
+
 @dataclasses.dataclass(frozen=True)
 class UpdateRule:
     model: TowerModel
@@ -25,6 +60,7 @@ class UpdateRule:
     step: tf.Variable  # updates applied (int64)
     clip_norm: float | None = None
     moving_average: MovingAverage | None = None
+    loss_scale: LossScale | None = None  # only with --precision=fp16
 
     def clip(self, mean_gradients: list[tf.Tensor]) -> list[tf.Tensor]:
         """The update's mean gradient (over all G examples) rescaled to a global norm of at
@@ -51,6 +87,14 @@ class UpdateRule:
         self.step.assign_add(1)
         if self.moving_average is not None:
             self.moving_average.update(self.model.trainable_variables, self.step)
+        if self.loss_scale is not None:
+            self.loss_scale.after_applied()
+
+    def refuse(self) -> None:
+        """Records an update that was not applied: only the loss scale (fp16) reacts, halving.
+        In a strategy, call it in cross-replica context."""
+        if self.loss_scale is not None:
+            self.loss_scale.after_refused()
 
     def _update_variable(self, variable: tf.Variable, gradient: tf.Tensor, rate: tf.Tensor) -> None:
         self.optimizer.update_step(gradient, variable, rate)
