@@ -1,24 +1,38 @@
-"""python -m tower_train.benchmark: time tower updates against a plain single-device step.
+"""python -m tower_train.benchmark: tower-train's updates against the alternatives, and memory against K.
 
 Run commands:
-    python -m tower_train.benchmark --num_gpus=4 --batch_size=32     # the README's table
-    python -m tower_train.benchmark --configs=plain_k1,tower_k1 --rounds=3 --output_json=b.json
+    python -m tower_train.benchmark --num_gpus=4 --batch_size=32                    # README: speed
+    python -m tower_train.benchmark --num_gpus=4 --batch_size=32 --measure=memory   # README: memory
+    python -m tower_train.benchmark --configs=plain_k1,tower_pscpu_k1 --rounds=3 --output_json=b.json
 
-In the style of tf_cnn_benchmarks: warm-up updates (tracing included) are not
-timed; each round times every configuration once, alternating, so that drift
+Speed, in the style of tf_cnn_benchmarks: warm-up updates (tracing included) are
+not timed; each round times every configuration once, alternating, so that drift
 of the machine cancels; a configuration's figure is the median over rounds of
 examples/sec, +/- jitter = 1.4826 x the median absolute deviation.
 
-Every configuration uses the same micro-batch per tower (--batch_size) and the
-same towers (--num_gpus); `_kK` accumulates K micro-steps per update. `plain_kK`
-is one GradientTape step on the parameter device over the whole global batch
-G = batch_size x towers x K: the reference the towers are measured against.
+Memory: each configuration runs in a subprocess of its own, which reports its
+peak resident memory during its updates (and, on GPUs, TensorFlow's peak per
+device), against its resident memory once the model was built. A second
+subprocess runs the same configuration at one example per tower (its floor), so
+that the report can tell activations from what every update costs anyway.
+
+A configuration is named KIND_kK[_bB][_data]:
+- KIND, what runs one update (see KINDS);
+- K, micro-steps per update;
+- B, examples per tower per micro-step (default --batch_size), so a configuration
+  consumes G = B x towers x K examples per update;
+- _data: batches come from the training input pipeline of --dataset (files,
+  shuffle, --augment distortions) instead of one fixed batch held in memory.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
+import os
+import re
 import statistics
+import subprocess
 import sys
 import time
 from typing import TYPE_CHECKING, Callable
@@ -34,8 +48,203 @@ from tower_train.stats import jitter
 if TYPE_CHECKING:
     from tower_train.devices import DevicePlan
 
-BENCH_FLAGS = tt_flags.define_benchmark_flags()
-KINDS = ("plain", "tower", "mirrored", "central_storage")
+
+
+@functools.cache
+def bench_flags() -> dict[str, flags.FlagHolder]:
+    """The benchmark's own flags, defined when a command first needs them: importing this
+    module for its pure functions (as the tests do) must not claim flag names that
+    `tower_train.compare` defines too."""
+    return tt_flags.define_benchmark_flags()
+
+KINDS = {
+    "plain": "one GradientTape step over all G examples on the parameter device: the reference",
+    "tower_pscpu": "tower mode, variables on the host CPU /cpu:0 (the original's placement)",
+    "tower_psgpu": "tower mode, variables on GPU 0 (without a GPU, on the first tower's device)",
+    "mirrored": "MirroredStrategy over the same towers",
+    "central_storage": "CentralStorageStrategy over the same towers and parameter device",
+    "keras_fit": "Keras 3 model.fit on one device, optimizer.gradient_accumulation_steps = K",
+}
+MEASURES = ("time", "memory")
+_NAME = re.compile(r"^(?P<kind>[a-z_]+?)_k(?P<accum>\d+)(?:_b(?P<batch>\d+))?(?P<data>_data)?$")
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchConfig:
+    """One parsed configuration name."""
+
+    name: str
+    kind: str
+    accum: int  # K
+    batch_size: int  # B, per tower per micro-step
+    from_pipeline: bool  # batches from the training input pipeline, not one fixed in-memory batch
+
+
+def parse_config_name(name: str, default_batch_size: int) -> BenchConfig:
+    """'tower_pscpu_k8_b32_data' -> BenchConfig(kind='tower_pscpu', accum=8, batch_size=32, from_pipeline=True)."""
+    match = _NAME.match(name)
+    if not match or match["kind"] not in KINDS or int(match["accum"]) < 1 or (
+            match["batch"] is not None and int(match["batch"]) < 1):
+        raise UsageError(f"--configs: {name!r} is not KIND_kK[_bB][_data] with KIND in "
+                         f"{', '.join(KINDS)}, K >= 1 and B >= 1")
+    batch = default_batch_size if match["batch"] is None else int(match["batch"])
+    return BenchConfig(name, match["kind"], int(match["accum"]), batch, match["data"] is not None)
+
+
+def default_configs(measure: str, batch_size: int) -> list[str]:
+    """The suite for `--measure` when --configs is not given.
+
+    time: every kind at K = 1 and K = 8 with the same micro-batch; tower mode at K = 1
+    with the G of K = 8 (a micro-batch 8 times larger); tower mode at K = 8 fed by the
+    input pipeline. memory: tower mode at one G = 8 x batch_size x towers, as K = 1, 2, 4, 8.
+    """
+    if measure == "memory":
+        return [f"tower_pscpu_k{k}_b{batch_size * 8 // k}" for k in (1, 2, 4, 8)]
+    return ([f"{kind}_k{k}" for kind in KINDS for k in (1, 8)]
+            + [f"tower_pscpu_k1_b{batch_size * 8}", "tower_pscpu_k8_data"])
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """`run(n)` applies n updates and returns the seconds they took; each consumes `global_batch`."""
+
+    run: Callable[[int], float]
+    global_batch: int
+
+
+def build_workload(bench: BenchConfig, config: TrainConfig, plan: DevicePlan) -> Workload:
+    """A fresh model and optimizer (seeded by --seed) training as `bench` says."""
+    import numpy as np
+    import tensorflow as tf
+
+    from tower_train import data
+    from tower_train.devices import parameter_device
+
+    config = dataclasses.replace(config, batch_size=bench.batch_size, accum=bench.accum)
+    if bench.kind.startswith("tower_ps"):  # the kind, not --ps_device, says where the variables live
+        ps_device = bench.kind.removeprefix("tower_ps")
+        config = dataclasses.replace(config, mode="tower", all_reduce="auto", ps_device=ps_device)
+        plan = dataclasses.replace(plan, param_device=parameter_device(ps_device, plan.tower_devices))
+    elif bench.kind in ("mirrored", "central_storage"):
+        config = dataclasses.replace(config, mode=bench.kind, all_reduce="auto")
+    micro = bench.batch_size * len(plan.tower_devices)
+    source = data.load_source(config.dataset, config.data_dir)
+    if bench.from_pipeline:
+        dataset = data.train_stream(source, seed=config.seed, start_position=0, micro_batch=micro,
+                                    augment=config.augment)
+    else:
+        rng = np.random.default_rng(config.seed)
+        with tf.device("/cpu:0"):
+            images = tf.constant(rng.normal(size=(micro, data.IMAGE_SIZE, data.IMAGE_SIZE, 3)),
+                                 tf.float32)
+            labels = tf.constant(rng.integers(0, data.NUM_CLASSES, micro), tf.int32)
+        dataset = tf.data.Dataset.from_tensors((images, labels)).repeat()
+    builder = {"plain": _plain, "keras_fit": _keras_fit}.get(bench.kind, _mode)
+    run = builder(config, plan, dataset, len(source.train_labels))
+    return Workload(run, micro * bench.accum)
+
+
+def _mode(config: TrainConfig, plan: DevicePlan, dataset, train_examples: int) -> Callable[[int], float]:
+    """tower_pscpu, tower_psgpu, mirrored, central_storage: the trainer's own inner step."""
+    from tower_train.modes import build_mode
+    from tower_train.trainer import build_state
+
+    mode = build_mode(config, plan)
+    state = build_state(config, mode.variable_scope(), train_examples)
+    inner = mode.inner_step(state, config.accum, config.clip_norm, config.jit_compile)
+    batches = iter(dataset)
+
+    def run(updates: int) -> float:
+        start = time.perf_counter()
+        for _ in range(updates):
+            float(inner.run_update(batches)[0])  # the loss's value: waits for the update
+        return time.perf_counter() - start
+
+    return run
+
+
+def _plain(config: TrainConfig, plan: DevicePlan, dataset, train_examples: int) -> Callable[[int], float]:
+    """One GradientTape step on the parameter device over all G examples, with the same
+    update-boundary work (clip, apply, count, average) as the towers'."""
+    import tensorflow as tf
+
+    from tower_train.towers import tower_loss_and_gradients
+    from tower_train.trainer import build_state
+
+    state = build_state(config, tf.device(plan.param_device), train_examples)
+    rule = state.update_rule(config.clip_norm)
+    whole_batches = iter(dataset.batch(config.accum).map(
+        lambda images, labels: (tf.reshape(images, [-1, *images.shape[2:]]), tf.reshape(labels, [-1]))))
+
+    @tf.function(jit_compile=config.jit_compile)
+    def plain_step(images: tf.Tensor, labels: tf.Tensor) -> tf.Tensor:
+        with tf.device(plan.param_device):
+            loss, grads = tower_loss_and_gradients(state.model, images, labels)
+            rule.apply(rule.clip(grads))
+            return loss
+
+    def run(updates: int) -> float:
+        start = time.perf_counter()
+        for _ in range(updates):
+            float(plain_step(*next(whole_batches)))
+        return time.perf_counter() - start
+
+    return run
+
+
+def _keras_fit(config: TrainConfig, plan: DevicePlan, dataset, train_examples: int) -> Callable[[int], float]:
+    """What a user would pick instead: Keras's own train step and gradient accumulation, on
+    the same network, loss, optimizer and schedule, fed the micro-batch of all towers."""
+    import keras
+    import tensorflow as tf
+
+    from tower_train.trainer import build_state, make_optimizer
+
+    net = build_state(config, tf.device(plan.param_device), train_examples).model
+
+    class FitModel(keras.Model):
+        """The network behind Keras's train step, with tower-train's loss: mean + regularization."""
+
+        def __init__(self):
+            super().__init__()
+            self.net = net
+
+        def call(self, images, training=False):
+            return self.net(images, training=training)
+
+        def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+            return tf.reduce_mean(self.net.per_example_loss(y, y_pred)) + self.net.regularization()
+
+    optimizer = make_optimizer(config, config.global_batch, train_examples)
+    if config.accum > 1:  # Keras takes None, not 1, for no accumulation
+        optimizer.gradient_accumulation_steps = config.accum
+    class BatchClock(keras.callbacks.Callback):
+        """Seconds from the start of fit's first batch to the end of its last, so fit's own
+        set-up (iterator, callbacks) is not charged to the updates."""
+
+        seconds = 0.0
+
+        def on_train_begin(self, logs=None):
+            self.start = None
+
+        def on_train_batch_begin(self, batch, logs=None):
+            if self.start is None:
+                self.start = time.perf_counter()
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.seconds = time.perf_counter() - self.start
+
+    model = FitModel()
+    model.compile(optimizer=optimizer, jit_compile=config.jit_compile)
+    clock = BatchClock()
+
+    def run(updates: int) -> float:
+        with tf.device(plan.param_device):
+            model.fit(dataset, epochs=1, steps_per_epoch=updates * config.accum, verbose=0, shuffle=False,
+                      callbacks=[clock])
+        return clock.seconds
+
+    return run
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,116 +260,206 @@ class Measurement:
         return self.sec_per_update / self.global_batch
 
 
-def parse_config_name(name: str) -> tuple[str, int]:
-    """'tower_k8' -> ('tower', 8)."""
-    kind, _, k = name.partition("_k")
-    if kind not in KINDS or not k.isdigit() or int(k) < 1:
-        raise UsageError(f"--configs: {name!r} is not MODE_kK with MODE in {', '.join(KINDS)} "
-                         "and K >= 1")
-    return kind, int(k)
-
-
-def build_update(name: str, config: TrainConfig, plan: DevicePlan) -> tuple[Callable[[], object], int]:
-    """One update of configuration `name` on fixed in-memory data, and its global batch."""
-    import numpy as np
-    import tensorflow as tf
-
-    from tower_train import data
-    from tower_train.modes import build_mode
-    from tower_train.trainer import build_state
-    from tower_train.towers import tower_loss_and_gradients
-
-    kind, accum = parse_config_name(name)
-    micro = config.batch_size * len(plan.tower_devices)
-    train_examples = len(data.load_source(config.dataset, config.data_dir).train_labels)  # for the schedule
-    rng = np.random.default_rng(config.seed)
-    with tf.device("/cpu:0"):
-        images = tf.constant(rng.normal(size=(micro, data.IMAGE_SIZE, data.IMAGE_SIZE, 3)),
-                             tf.float32)
-        labels = tf.constant(rng.integers(0, data.NUM_CLASSES, micro), tf.int32)
-    if kind != "plain":
-        mode = build_mode(dataclasses.replace(config, mode=kind, all_reduce="auto"), plan)
-        state = build_state(config, mode.variable_scope(), train_examples)
-        inner = mode.inner_step(state, accum, config.clip_norm)
-        batches = iter(lambda: (images, labels), None)
-        return lambda: inner.run_update(batches)[0].numpy(), micro * accum
-
-    state = build_state(config, tf.device(plan.param_device), train_examples)
-    rule = state.update_rule(config.clip_norm)  # the same update-boundary work as the towers'
-
-    whole_images, whole_labels = tf.tile(images, [accum, 1, 1, 1]), tf.tile(labels, [accum])
-
-    @tf.function
-    def plain_step() -> tf.Tensor:
-        with tf.device(plan.param_device):
-            loss, grads = tower_loss_and_gradients(state.model, whole_images, whole_labels)
-            rule.apply(rule.clip(grads))
-            return loss
-
-    return lambda: plain_step().numpy(), micro * accum
-
-
-def run_benchmark(config: TrainConfig, names: list[str], plan: DevicePlan, updates: int,
+def run_benchmark(config: TrainConfig, benches: list[BenchConfig], plan: DevicePlan, updates: int,
                   warmup_updates: int, rounds: int) -> list[Measurement]:
     """Times every configuration, alternating, and returns one Measurement each."""
-    steps = {name: build_update(name, config, plan) for name in names}
-    for run_update, _ in steps.values():
-        for _ in range(warmup_updates):
-            run_update()
-    seconds: dict[str, list[float]] = {name: [] for name in names}
+    workloads = {bench.name: build_workload(bench, config, plan) for bench in benches}
+    for workload in workloads.values():
+        workload.run(warmup_updates)
+    seconds: dict[str, list[float]] = {name: [] for name in workloads}
     for _ in range(rounds):
-        for name, (run_update, _) in steps.items():
-            start = time.perf_counter()
-            for _ in range(updates):
-                run_update()
-            seconds[name].append((time.perf_counter() - start) / updates)
+        for name, workload in workloads.items():
+            seconds[name].append(workload.run(updates) / updates)
     results = []
-    for name, (_, global_batch) in steps.items():
-        rates = [global_batch / s for s in seconds[name]]
-        results.append(Measurement(name, global_batch, statistics.median(rates), jitter(rates),
+    for name, workload in workloads.items():
+        rates = [workload.global_batch / s for s in seconds[name]]
+        results.append(Measurement(name, workload.global_batch, statistics.median(rates), jitter(rates),
                                    statistics.median(seconds[name])))
     return results
 
 
-def format_report(results: list[Measurement], towers: int) -> str:
-    lines = [f"{'config':<12} {'G':>6} {'examples/sec':>22} {'sec/update':>11}"]
+def comparisons(names: list[str], batch_size: int) -> list[tuple[str, str, str]]:
+    """(A, B, what it shows) for every pair of the suite whose two configurations were run;
+    the report prints time per example of A / B."""
+    pairs = []
+    for k in (1, 8):
+        pairs += [(f"tower_pscpu_k{k}", f"plain_k{k}", "towers vs one device, same G; goal <= 1.05"),
+                  (f"tower_psgpu_k{k}", f"plain_k{k}", "towers vs one device, same G"),
+                  (f"tower_pscpu_k{k}", f"mirrored_k{k}", "goal <= 1.0"),
+                  (f"tower_pscpu_k{k}", f"central_storage_k{k}", ""),
+                  (f"tower_pscpu_k{k}", f"keras_fit_k{k}", "goal <= 1.0")]
+    pairs += [("tower_pscpu_k8", "tower_pscpu_k1", "same micro-batch; goal <= 1.0"),
+              ("tower_pscpu_k8", f"tower_pscpu_k1_b{batch_size * 8}", "same G, micro-batch 8x smaller"),
+              ("tower_pscpu_k8_data", "tower_pscpu_k8", "input pipeline vs in memory; goal <= 1.05")]
+    present = set(names)
+    return [pair for pair in pairs if pair[0] in present and pair[1] in present]
+
+
+def format_report(results: list[Measurement], towers: int, batch_size: int) -> str:
+    lines = [f"{'config':<24} {'G':>6} {'examples/sec':>22} {'sec/update':>11}"]
     for m in results:
-        lines.append(f"{m.config:<12} {m.global_batch:>6} "
+        lines.append(f"{m.config:<24} {m.global_batch:>6} "
                      f"{m.examples_per_sec:>12.1f} +/- {m.jitter:<7.1f} {m.sec_per_update:>11.4f}")
     by_name = {m.config: m for m in results}
-    for kind, k in (("tower", 1), ("tower", 8)):
-        plain, tower = by_name.get(f"plain_k{k}"), by_name.get(f"{kind}_k{k}")
-        if plain and tower:
-            lines.append(f"time per example, {tower.config} / {plain.config} (same G, {towers} "
-                         f"towers): {tower.sec_per_example / plain.sec_per_example:.3f}")
-    if "tower_k1" in by_name and "tower_k8" in by_name:
-        ratio = by_name["tower_k8"].sec_per_example / by_name["tower_k1"].sec_per_example
-        lines.append(f"time per example, tower_k8 / tower_k1 (same micro-batch): {ratio:.3f}")
+    for a, b, note in comparisons(list(by_name), batch_size):
+        ratio = by_name[a].sec_per_example / by_name[b].sec_per_example
+        lines.append(f"time per example, {a} / {b}: {ratio:.3f}" + (f"  ({note})" if note else ""))
+    lines.append(f"{towers} tower(s), {batch_size} examples per tower per micro-step unless _bB says")
     return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------------
+# Memory: one subprocess per configuration.
+
+
+def peak_memory_main(argv: list[str]) -> int:
+    """The subprocess of --measure=memory: builds one configuration, runs its updates, and
+    prints one JSON line of memory figures in MB."""
+    try:
+        options = bench_flags()
+        config = parse_config(argv)
+        bench = parse_config_name(_one(options["configs"].value), config.batch_size)
+        plan = prepare_devices(config, announce=False)
+        workload = build_workload(bench, config, plan)
+        gpus = _gpu_names(plan)
+        rss_before = _status_mb("VmRSS")
+        _reset_peak_rss()
+        for device in gpus:
+            _tf().config.experimental.reset_memory_stats(device)
+        workload.run(options["warmup_updates"].value + options["updates"].value)
+    except (UsageError, flags.Error) as e:
+        return fail(e)
+    print(json.dumps({
+        "config": bench.name, "global_batch": workload.global_batch, "accum": bench.accum,
+        "batch_per_tower": bench.batch_size, "rss_before_mb": rss_before, "peak_rss_mb": _status_mb("VmHWM"),
+        "gpu_peak_mb": {d: _tf().config.experimental.get_memory_info(d)["peak"] / 2**20 for d in gpus}}))
+    return 0
+
+
+# glibc raises its mmap threshold to the size of every large block freed, after which freed
+# tensors stay in the heap and peak RSS counts malloc's cache; a fixed threshold returns them.
+_LIVE_RSS = {"MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}
+
+
+def floor_config(bench: BenchConfig) -> str:
+    """The same configuration at one example per tower: what its updates add to the process
+    besides activations (thread pools, weight copies, gradients and their sums, the update)."""
+    return f"{bench.kind}_k{bench.accum}_b1" + ("_data" if bench.from_pipeline else "")
+
+
+def measure_memory(benches: list[BenchConfig], argv: list[str]) -> list[dict]:
+    """Runs `peak_memory_main` in a fresh process for each configuration and for its floor
+    configuration (the training flags of `argv` passed on), one after another, so no
+    configuration inherits another's heap. Each result gets `floor_added_mb`: its floor's
+    peak minus its floor's RSS before the updates."""
+    measured: dict[str, dict] = {}
+    for name in dict.fromkeys(n for b in benches for n in (floor_config(b), b.name)):
+        child = subprocess.run(
+            [sys.executable, "-c", "import sys; from tower_train.benchmark import peak_memory_main; "
+             "sys.exit(peak_memory_main(sys.argv))", *argv[1:], f"--configs={name}"],
+            capture_output=True, text=True, env={**os.environ, **_LIVE_RSS})
+        if child.returncode != 0:
+            lines = child.stderr.strip().splitlines() or ["no output"]
+            raise UsageError(f"--measure=memory: {name} failed: {lines[-1]}")
+        measured[name] = json.loads(child.stdout.strip().splitlines()[-1])
+    results = []
+    for bench in benches:
+        floor = measured[floor_config(bench)]
+        results.append({**measured[bench.name],
+                        "floor_added_mb": floor["peak_rss_mb"] - floor["rss_before_mb"]})
+    return results
+
+
+def format_memory_report(results: list[dict]) -> str:
+    """A row per configuration. 'activations' is what its updates add above its floor's
+    (`floor_config`); the last column compares it with the first row's."""
+    lines = [f"{'config':<24} {'G':>6} {'K':>3} {'B':>5} {'RSS before':>11} {'peak RSS':>9} "
+             f"{'added':>6} {'activations':>12} {'vs row 1':>9}   (MB)"]
+    activations = [r["peak_rss_mb"] - r["rss_before_mb"] - r["floor_added_mb"] for r in results]
+    for r, act in zip(results, activations):
+        gpu = "".join(f"  {d} peak {mb:.0f} MB" for d, mb in r["gpu_peak_mb"].items())
+        ratio = f"{act / activations[0]:>9.2f}" if activations[0] > 0 else f"{'-':>9}"
+        lines.append(f"{r['config']:<24} {r['global_batch']:>6} {r['accum']:>3} {r['batch_per_tower']:>5} "
+                     f"{r['rss_before_mb']:>11.0f} {r['peak_rss_mb']:>9.0f} "
+                     f"{r['peak_rss_mb'] - r['rss_before_mb']:>6.0f} {act:>12.0f} {ratio}{gpu}")
+    return "\n".join(lines)
+
+
+def _one(names: list[str]) -> str:
+    if len(names) != 1:
+        raise UsageError(f"--configs: the memory subprocess takes one configuration, got {len(names)}")
+    return names[0]
+
+
+def _tf():
+    import tensorflow as tf
+
+    return tf
+
+
+def _gpu_names(plan: DevicePlan) -> list[str]:
+    """The GPUs the plan uses, as get_memory_info names them ('GPU:0')."""
+    from tower_train.devices import canonical_device
+
+    devices = {canonical_device(d) for d in (*plan.tower_devices, plan.param_device)}
+    return sorted(d for d in devices if d.startswith("GPU"))
+
+
+def _status_mb(field: str) -> float:
+    """A line of /proc/self/status, such as VmHWM (peak resident memory), in MB."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    raise UsageError(f"--measure=memory: /proc/self/status has no {field}")
+
+
+def _reset_peak_rss() -> None:
+    """Sets VmHWM back to the current RSS, so the peak is that of the updates alone
+    (loading the data set and building the model can peak higher)."""
+    with open("/proc/self/clear_refs", "w") as clear_refs:
+        clear_refs.write("5")
+
+
+# --------------------------------------------------------------------------------------------------
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv if argv is None else argv
     try:
+        options = bench_flags()
         config = parse_config(argv)
-        names = BENCH_FLAGS["configs"].value
-        for name in names:
-            parse_config_name(name)
+        measure = options["measure"].value
+        if measure not in MEASURES:
+            raise UsageError(f"--measure={measure}: unknown; allowed: {', '.join(MEASURES)}")
+        if measure == "memory" and not os.path.exists("/proc/self/clear_refs"):
+            raise UsageError("--measure=memory: needs Linux's /proc/self/status and clear_refs")
+        names = options["configs"].value or default_configs(measure, config.batch_size)
+        benches = [parse_config_name(name, config.batch_size) for name in names]
         for key in ("updates", "rounds"):
-            if BENCH_FLAGS[key].value < 1:
-                raise UsageError(f"--{key}={BENCH_FLAGS[key].value}: must be a whole number >= 1")
-        if BENCH_FLAGS["warmup_updates"].value < 1:
+            if options[key].value < 1:
+                raise UsageError(f"--{key}={options[key].value}: must be a whole number >= 1")
+        if options["warmup_updates"].value < 1:
             raise UsageError("--warmup_updates must be >= 1: the first update traces")
         plan = prepare_devices(config)
-        results = run_benchmark(config, names, plan, BENCH_FLAGS["updates"].value, BENCH_FLAGS["warmup_updates"].value,
-                                BENCH_FLAGS["rounds"].value)
+        if measure == "memory":
+            results = measure_memory(benches, argv)
+            report = format_memory_report(results)
+        else:
+            measurements = run_benchmark(config, benches, plan, options["updates"].value,
+                                         options["warmup_updates"].value, options["rounds"].value)
+            results = [dataclasses.asdict(m) for m in measurements]
+            report = format_report(measurements, len(plan.tower_devices), config.batch_size)
     except (UsageError, flags.Error) as e:
         return fail(e)
-    print(format_report(results, len(plan.tower_devices)))
-    if BENCH_FLAGS["output_json"].value:
-        with open(BENCH_FLAGS["output_json"].value, "w") as f:
-            json.dump({"towers": len(plan.tower_devices), "batch_per_tower": config.batch_size,
-                       "results": [dataclasses.asdict(m) for m in results]}, f, indent=2)
+    print(report)
+    if options["output_json"].value:
+        import tensorflow as tf
+
+        with open(options["output_json"].value, "w") as f:
+            json.dump({"measure": measure, "towers": len(plan.tower_devices),
+                       "batch_per_tower": config.batch_size, "cores": os.cpu_count(),
+                       "tensorflow": tf.__version__, "results": results}, f, indent=2)
     return 0
 
 

@@ -90,10 +90,15 @@ def plan_devices(
         split, num_logical, limit = "cpu", num_gpus + 1, None
         message = (f"no GPU found for --num_gpus={num_gpus}: split the CPU into {num_gpus + 1} "
                    f"logical devices, host /cpu:0, towers on {device_span(towers)}")
-    param_device = HOST_DEVICE if ps_device == "cpu" else (
-        "/gpu:0" if num_physical_gpus >= 1 else towers[0])
+    param_device = parameter_device(ps_device, towers)
     return DevicePlan(towers, param_device, split, num_logical, limit,
                       f"{message}; parameters on {param_device}")
+
+
+def parameter_device(ps_device: str, tower_devices: tuple[str, ...]) -> str:
+    """Where `--ps_device` puts the variables: "cpu" the host; "gpu" the first tower's device,
+    which is GPU 0 whenever the machine has a GPU (towers are /gpu:0.. then, split or not)."""
+    return HOST_DEVICE if ps_device == "cpu" else tower_devices[0]
 
 
 def _check_gpu_split(num_gpus: int, limit_mb: int, gpu0_memory_mb: int | None, from_flag: bool) -> None:

@@ -115,9 +115,13 @@ def define_benchmark_flags() -> dict[str, flags.FlagHolder]:
     """The flags only `python -m tower_train.benchmark` takes, besides the training flags."""
     return {
         "configs": flags.DEFINE_list(
-            "configs", ["plain_k1", "tower_k1", "tower_k8"],
-            "What to time, alternating: MODE_kK, MODE in plain | tower; plain is one GradientTape "
-            "step on one device over the same global batch."),
+            "configs", [],
+            "What to run, as KIND_kK[_bB][_data] (see tower_train/benchmark.py); default: the "
+            "suite for --measure."),
+        "measure": flags.DEFINE_string(
+            "measure", "time",
+            "time: examples/sec, configurations alternating in this process; memory: peak memory "
+            "of each configuration in a subprocess of its own."),
         "updates": flags.DEFINE_integer("updates", 5, "Timed updates per configuration per round."),
         "warmup_updates": _define_warmup_updates(),
         "rounds": flags.DEFINE_integer(
