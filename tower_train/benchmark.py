@@ -315,6 +315,8 @@ def format_report(results: list[Measurement], towers: int, batch_size: int) -> s
 def peak_memory_main(argv: list[str]) -> int:
     """The subprocess of --measure=memory: builds one configuration, runs its updates, and
     prints one JSON line of memory figures in MB."""
+    import tensorflow as tf
+
     try:
         options = bench_flags()
         config = parse_config(argv)
@@ -325,14 +327,14 @@ def peak_memory_main(argv: list[str]) -> int:
         rss_before = _status_mb("VmRSS")
         _reset_peak_rss()
         for device in gpus:
-            _tf().config.experimental.reset_memory_stats(device)
+            tf.config.experimental.reset_memory_stats(device)
         workload.run(options["warmup_updates"].value + options["updates"].value)
     except (UsageError, flags.Error) as e:
         return fail(e)
     print(json.dumps({
         "config": bench.name, "global_batch": workload.global_batch, "accum": bench.accum,
         "batch_per_tower": bench.batch_size, "rss_before_mb": rss_before, "peak_rss_mb": _status_mb("VmHWM"),
-        "gpu_peak_mb": {d: _tf().config.experimental.get_memory_info(d)["peak"] / 2**20 for d in gpus}}))
+        "gpu_peak_mb": {d: tf.config.experimental.get_memory_info(d)["peak"] / 2**20 for d in gpus}}))
     return 0
 
 
@@ -389,12 +391,6 @@ def _one(names: list[str]) -> str:
     if len(names) != 1:
         raise UsageError(f"--configs: the memory subprocess takes one configuration, got {len(names)}")
     return names[0]
-
-
-def _tf():
-    import tensorflow as tf
-
-    return tf
 
 
 def _gpu_names(plan: DevicePlan) -> list[str]:

@@ -54,8 +54,7 @@ class StrategyStep:
     ):
         self._strategy = strategy
         model = rule.model
-        self._tower = tower_function(
-            model, rule.loss_scale.value if rule.loss_scale else None, jit_compile)
+        self._tower = tower_function(model, rule.loss_scale, jit_compile)
         self._rule = rule
         self._accum = accum
         self._first_replica = first_replica  # global id of this worker's first replica

@@ -31,8 +31,7 @@ class TowerStep:
     def __init__(self, rule: UpdateRule, tower_devices: Sequence[str], param_device: str, accum: int,
                  jit_compile: bool = False):
         model = rule.model
-        self._tower = tower_function(
-            model, rule.loss_scale.value if rule.loss_scale else None, jit_compile)
+        self._tower = tower_function(model, rule.loss_scale, jit_compile)
         self._rule = rule
         self._devices = tuple(tower_devices)
         self._param_device = param_device

@@ -18,6 +18,7 @@ from typing import Callable, Sequence, TypeVar
 import tensorflow as tf
 
 from models.base import TowerModel
+from tower_train.update_rule import LossScale
 
 T = TypeVar("T")
 
@@ -46,14 +47,14 @@ def tower_loss_and_gradients(
 
 
 def tower_function(
-    model: TowerModel, loss_scale: tf.Variable | None = None, jit_compile: bool = False
+    model: TowerModel, loss_scale: LossScale | None = None, jit_compile: bool = False
 ) -> Callable[[tf.Tensor, tf.Tensor], tuple[tf.Tensor, list[tf.Tensor]]]:
     """`tower_loss_and_gradients` of `model` as a function of (images, labels), reading the
     current loss scale at every call; with `jit_compile`, compiled by XLA for the device it
     is called on (which must hold the model's variables: XLA cannot read another device's)."""
     def tower(images: tf.Tensor, labels: tf.Tensor) -> tuple[tf.Tensor, list[tf.Tensor]]:
         return tower_loss_and_gradients(
-            model, images, labels, None if loss_scale is None else loss_scale.read_value())
+            model, images, labels, None if loss_scale is None else loss_scale.value.read_value())
 
     return tf.function(tower, jit_compile=True) if jit_compile else tower
 
