@@ -6,8 +6,8 @@ flags or optimizers; the trainer decides where it runs and how it is updated.
 
 Subclass it like this (see README, "Adding a model"):
 
-    @models.register("tiny_mlp")
-    class TinyMLP(models.TowerModel):
+    @register("tiny_mlp")
+    class TinyMLP(TowerModel):
         def __init__(self, num_classes: int, **kwargs):
             super().__init__(num_classes, **kwargs)
             self.hidden = keras.layers.Dense(64, activation="relu")

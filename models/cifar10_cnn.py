@@ -9,8 +9,8 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
-from models.base import TowerModel, l2_loss
-from models.registry import register
+from tower_train.models.base import TowerModel, l2_loss
+from tower_train.models.registry import register
 
 _WEIGHT_DECAY = 0.004  # the original's wd for local3 and local4
 

@@ -1,10 +1,10 @@
 """Maps `--model=NAME` to a network class."""
 from __future__ import annotations
 
-import importlib
 from typing import Callable
 
 from tower_train.errors import UsageError
+from tower_train.user_code import import_user_module
 
 _MODELS: dict[str, type] = {}
 
@@ -30,10 +30,7 @@ def model_class(name: str, module: str | None = None) -> type:
       UsageError: the module cannot be imported, or no model has that name.
     """
     if module:
-        try:
-            importlib.import_module(module)
-        except ImportError as e:
-            raise UsageError(f"--model_module={module}: cannot import it ({e})") from None
+        import_user_module(module, "--model_module")
     if name not in _MODELS:
         raise UsageError(f"--model={name}: unknown; registered: {', '.join(model_names())}")
     return _MODELS[name]

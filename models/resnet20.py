@@ -19,8 +19,8 @@ from typing import Callable
 import keras
 import tensorflow as tf
 
-from models.base import TowerModel, l2_loss
-from models.registry import register
+from tower_train.models.base import TowerModel, l2_loss
+from tower_train.models.registry import register
 
 # The paper's weight decay 1e-4: as 1e-4 x sum(w^2)/2 its gradient is 1e-4 x w.
 _WEIGHT_DECAY = 1e-4

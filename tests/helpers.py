@@ -1,14 +1,21 @@
-"""Shared set-up for tests that build a trainer in this process."""
+"""Shared set-up for tests that build a trainer in this process, and for reading a child's output."""
 from __future__ import annotations
 
+import codecs
 import dataclasses
+import os
+import selectors
+import subprocess
+import time
 
 import numpy as np
+import pytest
 import tensorflow as tf
 
 from tower_train import data
 from tower_train.config import TrainConfig
 from tower_train.devices import canonical_device, plan_devices
+from tower_train.model_spec import resolve_model
 from tower_train.modes import build_mode
 from tower_train.trainer import TrainState, build_state
 
@@ -22,22 +29,30 @@ class Run:
     param_device: str
 
 
-def make_run(**overrides) -> Run:
-    """A state and inner step for a config (any single-process mode) on this process's logical CPUs."""
+def make_run(model=None, source: data.Source | None = None, **overrides) -> Run:
+    """A state and inner step for a config (any single-process mode) on this process's logical
+    CPUs; `model` as `tower_train.fit` takes it (default: the config's), `source` by default the
+    embedded data set."""
     config = TrainConfig(**{"train_dir": "/unused", **overrides})
+    source = source or data.load_source("synthetic", None, config.augment)
     plan = plan_devices(config.num_gpus, config.ps_device, num_physical_gpus=0)
     mode = build_mode(config, plan)
-    state = build_state(config, mode.variable_scope(), len(data.load_source("synthetic", None).train_labels))
+    spec = resolve_model(model, config, None, source.num_classes)
+    state = build_state(config, spec, source, mode.variable_scope())
     return Run(config, state, mode.inner_step(state, config.accum, config.clip_norm), plan.tower_devices,
                plan.param_device)
 
 
-def synthetic_batches(run: Run):
-    """The training stream of the embedded data set for this run's layout."""
-    source = data.load_source("synthetic", None)
-    return iter(data.train_stream(
-        source, seed=run.config.seed, start_position=0,
-        micro_batch=run.config.batch_size * len(run.tower_devices), augment=run.config.augment))
+def synthetic_batches(run: Run, source: data.Source | None = None):
+    """The training stream of `source` (default: the embedded data set) for this run's layout."""
+    source = source or data.load_source("synthetic", None, run.config.augment)
+    return iter(source.train_stream(seed=run.config.seed, start_position=0,
+                                    micro_batch=run.config.batch_size * len(run.tower_devices)))
+
+
+def unit_weighted(features, labels) -> tuple:
+    """A micro-batch (features, labels) with every label weighing 1, as the data sources give it."""
+    return features, labels, np.ones(np.shape(labels), np.float32)
 
 
 def weights(model) -> list[np.ndarray]:
@@ -45,11 +60,14 @@ def weights(model) -> list[np.ndarray]:
 
 
 def cross_tower_ops(graph, tower_devices):
-    """The ops where values computed on two or more towers first meet: the reductions.
+    """The ops where a value computed on one tower meets values of other towers: the reductions.
 
     Each op's tower origins are the towers whose computation its value depends
     on, followed through every data input whatever device the ops in between
-    carry; variable reads have none.
+    carry; variable reads have none. An op is listed when its value depends on
+    two or more towers and one of its inputs on a single tower: a tower's value
+    enters it (a sum of the towers' values, or a tower's gradient scaled by the
+    update's total weight).
     """
     towers = {canonical_device(d) for d in tower_devices}
     origins, merges = {}, []
@@ -57,6 +75,50 @@ def cross_tower_ops(graph, tower_devices):
         inherited = [origins.get(t.op.name, frozenset()) for t in op.inputs]
         own = {canonical_device(op.device)} & towers if op.device else set()
         origins[op.name] = frozenset(own).union(*inherited)
-        if len(origins[op.name]) >= 2 and all(len(o) < 2 for o in inherited):
+        if len(origins[op.name]) >= 2 and any(len(o) == 1 for o in inherited):
             merges.append(op)
     return merges
+
+
+def read_until(process: subprocess.Popen, text: str, timeout: float) -> str:
+    """Reads the child's stderr (a pipe) until `text` appears; returns everything read so far.
+
+    Fails the test, with the output so far and the child's exit status, if the child's
+    stderr ends (it exited, or closed it) before `text`, or if `timeout` seconds pass,
+    even while the child is alive but silent: the pipe is polled with a selector and
+    read with os.read, never with a blocking readline. On a timeout the child is killed.
+    Nothing is left in the pipe object's buffer, so `process.communicate()` reads on
+    from exactly where this stopped.
+    """
+    fd = process.stderr.fileno()
+    decoder = codecs.getincrementaldecoder(getattr(process.stderr, "encoding", None) or "utf-8")(
+        errors="replace")
+    seen = ""
+    deadline = time.monotonic() + timeout
+    with selectors.DefaultSelector() as selector:
+        selector.register(fd, selectors.EVENT_READ)
+        while text not in seen:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                process.kill()
+                process.wait(timeout=60)
+                pytest.fail(f"{text!r} not seen on the stderr of {process.args} within {timeout} s; "
+                            f"killed it (status {process.returncode}); its stderr so far:\n{seen[-20000:]}")
+            # Whether it had exited is asked before reading: then all it wrote is in the pipe already.
+            exited = process.poll() is not None
+            ready = selector.select(0 if exited else min(remaining, 0.5))
+            chunk = os.read(fd, 1 << 16) if ready else b""
+            if chunk:
+                seen += decoder.decode(chunk)
+            elif ready or exited:  # end of file, or it exited and nothing is left to read
+                seen += decoder.decode(b"", final=True)
+                if text in seen:
+                    break
+                try:
+                    status = process.wait(timeout=10)
+                except subprocess.TimeoutExpired:  # stderr closed, yet it runs on
+                    process.kill()
+                    status = f"{process.wait(timeout=60)} (killed: it had closed its stderr but ran on)"
+                pytest.fail(f"the stderr of {process.args} ended before {text!r} appeared; exit status "
+                            f"{status}; its stderr:\n{seen[-20000:]}")
+    return seen

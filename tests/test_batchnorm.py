@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-import models
-from models.resnet20 import ResNet20
+import tower_train.models as models
+from tower_train.models.resnet20 import ResNet20
 from tower_train import data
 from tower_train.config import TrainConfig
 from tower_train.errors import UsageError
@@ -57,9 +57,9 @@ class OldSignature(models.TowerModel):
 
 def recording(batches, record):
     """Passes the stream through, keeping a numpy copy of every global micro-batch it yields."""
-    for images, labels in batches:
+    for images, labels, label_weights in batches:
         record.append((np.asarray(images), np.asarray(labels)))
-        yield images, labels
+        yield images, labels, label_weights
 
 
 def ema(start, values, momentum=MOMENTUM):
@@ -176,7 +176,7 @@ def plain_step(model, images, labels):
 def applied_gradient(run, batches, learning_rate):
     """The gradient the next update applies, read back from plain SGD: (w_before - w_after) / rate."""
     before = weights(run.state.model)
-    loss = float(run.inner.run_update(batches)[0])
+    loss = run.inner.run_update(batches).loss
     return loss, [(b - a) / learning_rate for b, a in zip(before, weights(run.state.model))]
 
 
@@ -223,7 +223,7 @@ def test_resnet20_learns_in_tower_mode():
     """A few updates lower the loss on held-out examples (batch statistics, as in training)."""
     run = make_run(model="resnet20", num_gpus=1, batch_size=32, optimizer="momentum",
                    learning_rate=0.05)
-    images, labels = next(iter(data.eval_batches(data.load_source("synthetic", None), 128)))
+    images, labels, _ = next(iter(data.load_source("synthetic").eval_batches(128)))
 
     def held_out_loss():
         logits = run.state.model(images, training=True)
@@ -231,7 +231,7 @@ def test_resnet20_learns_in_tower_mode():
 
     before, batches = held_out_loss(), synthetic_batches(run)
     for _ in range(8):
-        assert bool(run.inner.run_update(batches)[1])
+        assert run.inner.run_update(batches).applied
     assert held_out_loss() < 0.9 * before
 
 
@@ -273,12 +273,12 @@ def test_a_refused_update_leaves_the_moving_statistics_as_they_were(mode):
     run.inner.run_update(batches)
     bn = run.state.model.bn
     before = stat(bn.moving_mean), stat(bn.moving_variance)
-    images, labels = next(batches)
+    images, labels, label_weights = next(batches)
     poisoned = np.asarray(images).copy()
     poisoned[0, 0, 0, 0] = np.nan
     good = next(batches)
-    assert not bool(run.inner.run_update(iter([(tf.constant(poisoned), labels), good]))[1])
+    assert not run.inner.run_update(iter([(tf.constant(poisoned), labels, label_weights), good])).applied
     np.testing.assert_array_equal(stat(bn.moving_mean), before[0])
     np.testing.assert_array_equal(stat(bn.moving_variance), before[1])
-    assert bool(run.inner.run_update(batches)[1])  # and training goes on from there
+    assert run.inner.run_update(batches).applied  # and training goes on from there
     assert np.isfinite(stat(bn.moving_mean)).all()

@@ -1,5 +1,6 @@
 """Smoke runs of the benchmark command: its output is well-formed (no timing is asserted)."""
 import json
+import re
 import subprocess
 import sys
 
@@ -9,7 +10,8 @@ from test_cli_errors import ROOT
 from tower_train.benchmark import comparisons, default_configs, parse_config_name
 from tower_train.errors import UsageError
 
-TINY = ["--num_gpus=2", "--batch_size=4", "--updates=1", "--warmup_updates=1"]
+TOWERS, BATCH = 2, 4
+TINY = [f"--num_gpus={TOWERS}", f"--batch_size={BATCH}", "--updates=1", "--warmup_updates=1"]
 
 
 def benchmark(*args: str) -> subprocess.CompletedProcess:
@@ -17,38 +19,79 @@ def benchmark(*args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, cwd=ROOT, timeout=600)
 
 
+def k_and_b(name: str) -> tuple[int, int]:
+    """K and B of a configuration name, read here: _kK, and _bB or else --batch_size."""
+    match = re.search(r"_k(\d+)(?:_b(\d+))?(?:_data)?$", name)
+    return int(match[1]), int(match[2] or BATCH)
+
+
 def test_every_kind_runs_and_the_report_and_json_are_well_formed(tmp_path):
     out = tmp_path / "bench.json"
     names = ["plain_k1", "tower_pscpu_k1", "tower_psgpu_k1", "mirrored_k2", "central_storage_k1",
              "keras_fit_k2", "tower_pscpu_k2_b2_data"]
-    result = benchmark(*TINY, f"--configs={','.join(names)}", "--rounds=2", f"--output_json={out}")
+    # An odd number of rounds: the median rate is then the rate of the median time.
+    result = benchmark(*TINY, f"--configs={','.join(names)}", "--rounds=3", f"--output_json={out}")
     assert result.returncode == 0, result.stderr
     rows = {line.split()[0]: line.split() for line in result.stdout.splitlines()[1:1 + len(names)]}
     assert list(rows) == names
-    # G = B x 2 towers x K
-    assert [int(rows[n][1]) for n in names] == [8, 8, 8, 16, 8, 16, 8]
-    assert "time per example, tower_pscpu_k1 / plain_k1: " in result.stdout
     written = json.loads(out.read_text())
-    assert written["measure"] == "time" and written["towers"] == 2
+    assert written["measure"] == "time" and written["towers"] == TOWERS
     assert [r["config"] for r in written["results"]] == names
     assert all(r["examples_per_sec"] > 0 and r["sec_per_update"] > 0 for r in written["results"])
+    for r in written["results"]:
+        k, b = k_and_b(r["config"])
+        row = rows[r["config"]]  # config, G, median, '+/-', jitter, sec/update
+        assert int(row[1]) == r["global_batch"] == b * TOWERS * k, row  # G = B x towers x K
+        assert r["examples_per_sec"] == pytest.approx(r["global_batch"] / r["sec_per_update"], rel=1e-9)
+        assert float(row[2]) == pytest.approx(r["examples_per_sec"], abs=0.05 + 1e-9), row
+        assert float(row[5]) == pytest.approx(r["sec_per_update"], abs=0.00005 + 1e-12), row
+    # Each comparison is the time per example (sec/update / G) of A over B's.
+    by_name = {r["config"]: r for r in written["results"]}
+    compared = re.findall(r"^time per example, (\S+) / (\S+): (\S+)", result.stdout, re.M)
+    assert ("tower_pscpu_k1", "plain_k1") in [(a, b) for a, b, _ in compared]
+    for a, b, ratio in compared:
+        per_example = {n: by_name[n]["sec_per_update"] / by_name[n]["global_batch"] for n in (a, b)}
+        assert float(ratio) == pytest.approx(per_example[a] / per_example[b], abs=0.0005 + 1e-9), (a, b)
 
 
+@pytest.mark.cpu_only
 def test_memory_runs_each_configuration_in_its_own_process(tmp_path):
     out = tmp_path / "memory.json"
-    result = benchmark(*TINY, "--measure=memory", "--configs=tower_pscpu_k1_b4,tower_pscpu_k2_b2",
-                       f"--output_json={out}")
+    # The last two are the floors of the first two (one example per tower), so they are run once,
+    # and their own figures are in the report too.
+    names = ["tower_pscpu_k1_b4", "tower_pscpu_k2_b2", "tower_pscpu_k1_b1", "tower_pscpu_k2_b1"]
+    result = benchmark(*TINY, "--measure=memory", f"--configs={','.join(names)}", f"--output_json={out}")
     assert result.returncode == 0, result.stderr
     results = json.loads(out.read_text())["results"]
-    assert [(r["config"], r["global_batch"], r["accum"]) for r in results] == [
-        ("tower_pscpu_k1_b4", 8, 1), ("tower_pscpu_k2_b2", 8, 2)]
-    # Two processes: each reports its own resident memory, and the updates add to it.
+    assert [r["config"] for r in results] == names
+    for r in results:
+        k, b = k_and_b(r["config"])
+        assert (r["accum"], r["batch_per_tower"], r["global_batch"]) == (k, b, b * TOWERS * k), r
+    # Separate processes: each reports its own resident memory, and the updates add to it.
     assert all(r["peak_rss_mb"] >= r["rss_before_mb"] > 100 for r in results)
-    # Each against its floor, measured in processes of their own: tower_pscpu_k1_b1, _k2_b1.
-    assert all(r["floor_added_mb"] >= 0 for r in results)
-    assert "activations" in result.stdout.splitlines()[0]
-    assert results[0]["gpu_peak_mb"] == {}  # no GPU here
-    assert result.stdout.splitlines()[1].split()[0] == "tower_pscpu_k1_b4"
+    # Each against its floor, the same K at one example per tower, measured in a process of its own:
+    # what that process's updates added.
+    by_name = {r["config"]: r for r in results}
+    for r in results:
+        floor = by_name[re.sub(r"_b\d+$", "_b1", r["config"])]
+        assert r["floor_added_mb"] == floor["peak_rss_mb"] - floor["rss_before_mb"], r["config"]
+    assert all(r["gpu_peak_mb"] == {} for r in results)  # cpu_only: no GPU
+    lines = result.stdout.splitlines()
+    assert "activations" in lines[0]
+    # config, G, K, B, RSS before, peak RSS, added, activations, vs row 1: the JSON's figures, rounded.
+    rows = [line.split() for line in lines[1:1 + len(names)]]
+    assert [row[0] for row in rows] == names
+    activations = [r["peak_rss_mb"] - r["rss_before_mb"] - r["floor_added_mb"] for r in results]
+    for row, r, act in zip(rows, results, activations):
+        assert [int(v) for v in row[1:4]] == [r["global_batch"], r["accum"], r["batch_per_tower"]], row
+        printed = [float(v) for v in row[4:8]]
+        figures = [r["rss_before_mb"], r["peak_rss_mb"], r["peak_rss_mb"] - r["rss_before_mb"], act]
+        assert printed == pytest.approx(figures, abs=0.5 + 1e-9), row
+        if activations[0] > 0:
+            assert float(row[8]) == pytest.approx(act / activations[0], abs=0.005 + 1e-9), row
+        else:
+            assert row[8] == "-", row
+    assert activations[2] == activations[3] == 0  # a floor adds nothing above itself
 
 
 def test_config_names_parse_and_bad_ones_are_refused():
@@ -65,12 +108,26 @@ def test_config_names_parse_and_bad_ones_are_refused():
 
 def test_the_default_suites():
     time_suite = default_configs("time", 32)
-    assert len(time_suite) == 14 and "keras_fit_k8" in time_suite
-    # every goal of the suite has both of its configurations
-    assert len(comparisons(time_suite, 32)) == 13
+    benches = {name: parse_config_name(name, 32) for name in time_suite}  # every name parses
+    assert len(benches) == len(time_suite)  # none twice
+    # Every configuration the suite spends time on is in a comparison of the report, and each
+    # comparison holds what its note says.
+    pairs = comparisons(time_suite, 32)
+    assert {name for a, b, _ in pairs for name in (a, b)} == set(time_suite)
+    for a, b, note in pairs:
+        g = {n: benches[n].batch_size * benches[n].accum for n in (a, b)}
+        if "same G" in note:
+            assert g[a] == g[b], (a, b, note)
+        if "same micro-batch" in note:
+            assert benches[a].batch_size == benches[b].batch_size, (a, b, note)
+        if "input pipeline vs in memory" in note:
+            assert (benches[a].from_pipeline, benches[b].from_pipeline) == (True, False), (a, b, note)
+            assert g[a] == g[b], (a, b, note)
     memory_suite = [parse_config_name(n, 32) for n in default_configs("memory", 32)]
-    assert {b.batch_size * b.accum for b in memory_suite} == {256}  # one G
-    assert [b.accum for b in memory_suite] == [1, 2, 4, 8]
+    assert {b.batch_size * b.accum for b in memory_suite} == {8 * 32}  # one G, 8 x --batch_size per tower
+    # The report compares each row's activations with row 1's: K rises from 1, each K once.
+    accums = [b.accum for b in memory_suite]
+    assert accums[0] == 1 and accums == sorted(set(accums)) and len(accums) > 1
 
 
 def test_benchmark_refuses_bad_flags_in_one_line():

@@ -1,36 +1,38 @@
-"""Tests of tower_train.data: the stream contract, preprocessing, the CIFAR-10 reader and the synthetic set."""
+"""Tests of tower_train.data and tower_train.image_data: the stream contract, preprocessing,
+the ArraySource checks, the CIFAR-10 reader and the synthetic set."""
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import os
 
 import numpy as np
 import pytest
+import tensorflow as tf
 
-from tower_train import data
+from tower_train import data, image_data
 from tower_train.errors import UsageError
 
 RECORD = 3073
 
 
-def fake_source(n_train: int = 10, n_eval: int = 10, rng_seed: int = 0) -> data.ExampleSource:
+def fake_source(n_train: int = 10, n_eval: int = 10, rng_seed: int = 0, augment: bool = False):
     """Random-noise images; labels i % 10, so with n <= 10 a label names its example."""
     rng = np.random.default_rng(rng_seed)
-    return data.ExampleSource(
-        name="fake",
-        train_images=rng.integers(0, 256, (n_train, 32, 32, 3), dtype=np.uint8),
-        train_labels=(np.arange(n_train) % 10).astype(np.int32),
-        eval_images=rng.integers(0, 256, (n_eval, 32, 32, 3), dtype=np.uint8),
-        eval_labels=(np.arange(n_eval) % 10).astype(np.int32),
+    return image_data.image_source(
+        "fake",
+        rng.integers(0, 256, (n_train, 32, 32, 3), dtype=np.uint8),
+        (np.arange(n_train) % 10).astype(np.int32),
+        rng.integers(0, 256, (n_eval, 32, 32, 3), dtype=np.uint8),
+        (np.arange(n_eval) % 10).astype(np.int32),
+        augment=augment,
     )
 
 
 def take_examples(dataset, count: int) -> tuple[np.ndarray, np.ndarray]:
-    """The first `count` examples of a batched dataset, batches concatenated."""
+    """The first `count` examples' (features, labels) of a batched dataset, batches concatenated."""
     images, labels = [], []
-    for x, y in dataset:
+    for x, y, _ in dataset:
         images.append(x.numpy())
         labels.append(y.numpy())
         if sum(len(b) for b in labels) >= count:
@@ -39,7 +41,10 @@ def take_examples(dataset, count: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def stream(source, *, seed=7, start=0, micro_batch=8, augment=False):
-    return data.train_stream(source, seed=seed, start_position=start, micro_batch=micro_batch, augment=augment)
+    if augment:
+        source = image_data.image_source("fake", source.train_features, source.train_labels,
+                                         source.eval_features, source.eval_labels, augment=True)
+    return source.train_stream(seed=seed, start_position=start, micro_batch=micro_batch)
 
 
 def expected_center(image: np.ndarray) -> np.ndarray:
@@ -66,7 +71,7 @@ def test_stream_does_not_depend_on_micro_batch(augment):
 def test_resume_continues_the_same_stream(augment):
     source = fake_source(n_train=30)
     whole = take_examples(stream(source, micro_batch=64, augment=augment), 64)
-    x, y = next(iter(stream(source, start=40, micro_batch=8, augment=augment)))
+    x, y, _ = next(iter(stream(source, start=40, micro_batch=8, augment=augment)))
     np.testing.assert_array_equal(x.numpy(), whole[0][40:48])
     np.testing.assert_array_equal(y.numpy(), whole[1][40:48])
 
@@ -89,13 +94,14 @@ def test_plain_batches_pair_each_label_with_its_centred_standardized_image():
     x, y = take_examples(stream(source, micro_batch=5), 20)
     assert x.dtype == np.float32 and x.shape == (20, 24, 24, 3) and y.dtype == np.int32
     for image, label in zip(x, y):
-        np.testing.assert_allclose(image, expected_center(source.train_images[label]), atol=1e-4)
+        np.testing.assert_allclose(image, expected_center(source.train_features[label]), atol=1e-4)
 
 
 def test_static_batch_shape():
     spec = stream(fake_source(), micro_batch=6, augment=True).element_spec
     assert spec[0].shape.as_list() == [6, 24, 24, 3] and spec[0].dtype.name == "float32"
     assert spec[1].shape.as_list() == [6] and spec[1].dtype.name == "int32"
+    assert spec[2].shape.as_list() == [6] and spec[2].dtype.name == "float32"
 
 
 def _best_window(out: np.ndarray, raw: np.ndarray) -> tuple[int, int, bool] | None:
@@ -119,11 +125,11 @@ def test_augmentation_is_a_crop_flip_and_contrast_fixed_by_the_position():
     source = fake_source(n_train=1)  # every position is the same example
     x, _ = take_examples(stream(source, micro_batch=16, augment=True), 16)
     assert x.dtype == np.float32 and x.shape == (16, 24, 24, 3)
-    plain = expected_center(source.train_images[0])
+    plain = expected_center(source.train_features[0])
     windows = set()
     for image in x:
         assert np.abs(image - plain).max() > 0.1  # never left alone
-        window = _best_window(image, source.train_images[0])
+        window = _best_window(image, source.train_features[0])
         assert window is not None
         windows.add(window)
     assert len(windows) >= 8  # positions get different distortions
@@ -149,14 +155,66 @@ def test_bad_stream_arguments():
         stream(fake_source(), start=-1)
 
 
-def test_example_source_rejects_malformed_arrays():
+def test_image_sources_and_array_sources_reject_malformed_arrays():
     good = fake_source()
-    with pytest.raises(ValueError, match="train_images"):
-        dataclasses.replace(good, train_images=good.train_images.astype(np.int32))
-    with pytest.raises(ValueError, match="eval_labels"):
-        dataclasses.replace(good, eval_labels=good.eval_labels.astype(np.int64))
-    with pytest.raises(ValueError, match="train_labels"):
-        dataclasses.replace(good, train_labels=np.full(10, 10, np.int32))
+    images, labels = good.train_features, good.train_labels
+    with pytest.raises(data.DataError, match="train images must be uint8"):
+        image_data.image_source("x", images.astype(np.int32), labels, images, labels)
+    with pytest.raises(data.DataError, match="num_classes=10 but the largest label is 10"):
+        image_data.image_source("x", images, np.full(10, 10, np.int32), images, labels)
+    cases = [
+        (dict(train_features=images[:3]), "train_features [3, 32, 32, 3] and train_labels [10]"),
+        (dict(train_labels=labels.astype(np.float32)), "train_labels are float32"),
+        (dict(train_labels=labels - 1), "train_labels hold -1"),
+        (dict(train_weights=np.ones((10, 2))), "train_weights [10, 2]: must have the labels' shape [10]"),
+        (dict(train_weights=np.full(10, np.nan)), "train_weights: must be finite numbers >= 0"),
+        (dict(eval_features=images[:, :8]), "eval_features are uint8 [10, 8, 32, 3]"),
+        (dict(eval_labels=None), "give eval_features and eval_labels together"),
+        (dict(num_classes=5), "num_classes=5 but the largest label is 9"),
+        (dict(train_features=images[:0], train_labels=labels[:0]), "holds no example"),
+    ]
+    for change, message in cases:
+        arguments = dict(train_features=images, train_labels=labels, eval_features=images,
+                         eval_labels=labels, **{})
+        arguments.update(change)
+        with pytest.raises(data.DataError) as excinfo:
+            data.ArraySource(**arguments)
+        assert message in str(excinfo.value) and "\n" not in str(excinfo.value), (change, excinfo.value)
+
+
+def test_array_source_hands_any_shape_over_as_it_is_and_counts_classes():
+    tokens = np.arange(6 * 5, dtype=np.int64).reshape(6, 5) % 7  # 6 sequences of 5 token ids
+    targets = tokens * 2  # 0..12
+    weights = np.ones((6, 5), np.float32)
+    weights[:, 3:] = 0  # padding
+    source = data.ArraySource(tokens, targets, weights, shuffle=False)
+    assert source.num_classes == 13 and source.feature_spec.shape == (5,)
+    assert source.feature_spec.dtype == np.int64 and source.label_spec.shape == (5,)
+    x, y, w = next(iter(source.train_stream(seed=0, start_position=4, micro_batch=4)))
+    # shuffle=False: position p is example p mod n, untouched.
+    np.testing.assert_array_equal(x.numpy(), tokens[[4, 5, 0, 1]])
+    np.testing.assert_array_equal(y.numpy(), targets[[4, 5, 0, 1]])
+    np.testing.assert_array_equal(w.numpy(), weights[[4, 5, 0, 1]])
+    assert data.ArraySource(tokens, targets, num_classes=100).num_classes == 100
+    assert list(source.eval_batches(4)) == []  # no held-out set: nothing to count
+
+
+def test_preprocess_gets_each_examples_seed_and_whether_it_trains():
+    calls = []
+
+    def preprocess(features, seeds, training):
+        calls.append(training)
+        return tf.cast(features, tf.float32) + tf.cast(seeds[:, 1:2], tf.float32) * 1000
+
+    features = np.arange(8, dtype=np.int32).reshape(8, 1)
+    source = data.ArraySource(features, np.zeros(8, np.int32), shuffle=False, preprocess=preprocess,
+                              eval_features=features, eval_labels=np.zeros(8, np.int32))
+    x, _, _ = next(iter(source.train_stream(seed=5, start_position=10, micro_batch=3)))
+    # stream positions 10, 11, 12 are examples 2, 3, 4; the seed's second word is the position.
+    np.testing.assert_array_equal(x.numpy()[:, 0], [10_002, 11_003, 12_004])
+    x, _, _ = next(iter(source.eval_batches(3)))
+    np.testing.assert_array_equal(x.numpy()[:, 0], [0, 1_001, 2_002])  # eval: the index
+    assert set(calls) == {True, False}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -165,12 +223,12 @@ def test_example_source_rejects_malformed_arrays():
 
 def test_eval_batches_cover_every_example_once_in_order():
     source = fake_source(n_eval=10)
-    batches = [(x.numpy(), y.numpy()) for x, y in data.eval_batches(source, 4)]
+    batches = [(x.numpy(), y.numpy()) for x, y, _ in source.eval_batches(4)]
     assert [len(y) for _, y in batches] == [4, 4, 2]
     labels = np.concatenate([y for _, y in batches])
     np.testing.assert_array_equal(labels, np.arange(10))
     images = np.concatenate([x for x, _ in batches])
-    for image, raw in zip(images, source.eval_images):
+    for image, raw in zip(images, source.eval_features):
         np.testing.assert_allclose(image, expected_center(raw), atol=1e-4)
 
 
@@ -200,17 +258,17 @@ def test_cifar10_reader_transposes_depth_major_records(tmp_path):
     records.tofile(tmp_path / "data_batch_2.bin")
 
     source = data.load_source("cifar10", str(tmp_path))
-    assert source.name == "cifar10"
-    assert source.train_images.shape == (15, 32, 32, 3) and source.train_images.dtype == np.uint8
-    assert source.eval_images.shape == (3, 32, 32, 3)
+    assert source.name == "cifar10" and source.num_classes == 10
+    assert source.train_features.shape == (15, 32, 32, 3) and source.train_features.dtype == np.uint8
+    assert source.eval_features.shape == (3, 32, 32, 3)
     assert source.train_labels.dtype == np.int32 and source.eval_labels.dtype == np.int32
     np.testing.assert_array_equal(source.train_labels, [0, 1, 2, 1, 2, 3, 2, 3, 4, 3, 4, 5, 4, 5, 6])
     np.testing.assert_array_equal(source.eval_labels, [5, 6, 7])
-    assert source.train_images[4, 1, 2].tolist() == [11, 22, 33]
+    assert source.train_features[4, 1, 2].tolist() == [11, 22, 33]
     # Every pixel of one record, against the byte formula.
     raw = written["test_batch.bin"][2]
     for y, x, c in [(0, 0, 0), (31, 31, 2), (5, 17, 1), (17, 5, 0)]:
-        assert source.eval_images[2, y, x, c] == raw[1 + c * 1024 + y * 32 + x]
+        assert source.eval_features[2, y, x, c] == raw[1 + c * 1024 + y * 32 + x]
 
 
 def assert_one_line_error(excinfo, *needles: str) -> None:
@@ -223,17 +281,17 @@ def assert_one_line_error(excinfo, *needles: str) -> None:
 
 def test_missing_data_dir(tmp_path):
     with pytest.raises(data.DataError) as excinfo:
-        data.check_data_dir("cifar10", str(tmp_path / "nowhere"))
+        image_data.check_data_dir("cifar10", str(tmp_path / "nowhere"))
     assert_one_line_error(excinfo, "nowhere", "does not exist")
     with pytest.raises(data.DataError) as excinfo:
-        data.check_data_dir("cifar10", None)
+        image_data.check_data_dir("cifar10", None)
     assert_one_line_error(excinfo, "--data_dir", "data_batch_1.bin")
 
 
 def test_data_dir_that_is_a_file(tmp_path):
     (tmp_path / "plain").write_bytes(b"x")
     with pytest.raises(data.DataError) as excinfo:
-        data.check_data_dir("cifar10", str(tmp_path / "plain"))
+        image_data.check_data_dir("cifar10", str(tmp_path / "plain"))
     assert_one_line_error(excinfo, "plain", "not a directory")
 
 
@@ -250,7 +308,7 @@ def test_file_that_is_a_directory(tmp_path):
     os.remove(tmp_path / "test_batch.bin")
     (tmp_path / "test_batch.bin").mkdir()
     with pytest.raises(data.DataError) as excinfo:
-        data.check_data_dir("cifar10", str(tmp_path))
+        image_data.check_data_dir("cifar10", str(tmp_path))
     assert_one_line_error(excinfo, "test_batch.bin", "not a regular file")
 
 
@@ -258,7 +316,7 @@ def test_file_of_partial_records(tmp_path):
     write_cifar(tmp_path)
     (tmp_path / "data_batch_2.bin").write_bytes(bytes(3 * RECORD + 5))
     with pytest.raises(data.DataError) as excinfo:
-        data.check_data_dir("cifar10", str(tmp_path))
+        image_data.check_data_dir("cifar10", str(tmp_path))
     assert_one_line_error(excinfo, "data_batch_2.bin", str(3 * RECORD + 5), "3073")
 
 
@@ -266,7 +324,7 @@ def test_empty_file(tmp_path):
     write_cifar(tmp_path)
     (tmp_path / "test_batch.bin").write_bytes(b"")
     with pytest.raises(data.DataError) as excinfo:
-        data.check_data_dir("cifar10", str(tmp_path))
+        image_data.check_data_dir("cifar10", str(tmp_path))
     assert_one_line_error(excinfo, "test_batch.bin", "empty")
 
 
@@ -275,7 +333,7 @@ def test_label_byte_above_nine(tmp_path):
     records = written["data_batch_4.bin"]
     records[2, 0] = 10
     records.tofile(tmp_path / "data_batch_4.bin")
-    data.check_data_dir("cifar10", str(tmp_path))  # sizes are fine: contents are not its business
+    image_data.check_data_dir("cifar10", str(tmp_path))  # sizes are fine: contents are not its business
     with pytest.raises(data.DataError) as excinfo:
         data.load_source("cifar10", str(tmp_path))
     assert_one_line_error(excinfo, "data_batch_4.bin", "record 2", "label byte 10")
@@ -289,14 +347,38 @@ def test_data_dir_with_synthetic(tmp_path):
 
 def test_unknown_dataset():
     with pytest.raises(data.DataError) as excinfo:
-        data.check_data_dir("imagenet", None)
-    assert_one_line_error(excinfo, "'imagenet'", "synthetic", "cifar10")
+        data.check_dataset("imagenet", None, False)
+    assert_one_line_error(excinfo, "--dataset=imagenet", "synthetic", "cifar10", "--data_module")
+
+
+def test_registered_data_sets_are_loaded_by_name_and_checked():
+    @data.register("test_data_tiny")
+    def tiny():
+        return data.ArraySource(np.zeros((4, 2)), np.arange(4), name="tiny")
+
+    @data.register("test_data_broken")
+    def broken():
+        return {"not": "a source"}
+
+    @data.register("test_data_raises")
+    def raises():
+        raise RuntimeError("disk on fire")
+
+    assert data.load_source("test_data_tiny").name == "tiny"
+    assert "test_data_tiny" in data.dataset_names()
+    with pytest.raises(UsageError, match="returned dict, not a tower_train.ArraySource"):
+        data.load_source("test_data_broken")
+    with pytest.raises(UsageError) as excinfo:
+        data.load_source("test_data_raises")
+    assert_one_line_error(excinfo, "--dataset=test_data_raises", "test_data.py:", "RuntimeError: disk on fire")
+    with pytest.raises(UsageError, match="--augment: only for the built-in image data sets"):
+        data.load_source("test_data_tiny", augment=True)
 
 
 def test_error_messages_stay_on_one_line_for_odd_paths(tmp_path):
     odd = tmp_path / "two\nlines"
     with pytest.raises(data.DataError) as excinfo:
-        data.check_data_dir("cifar10", str(odd))
+        image_data.check_data_dir("cifar10", str(odd))
     assert_one_line_error(excinfo, "two\\nlines")
 
 
@@ -304,22 +386,22 @@ def test_error_messages_stay_on_one_line_for_odd_paths(tmp_path):
 # The synthetic data set
 
 
-def nearest_class_mean_accuracy(source: data.ExampleSource) -> float:
+def nearest_class_mean_accuracy(source: data.ArraySource) -> float:
     def features(images):
         x = images.reshape(len(images), -1).astype(np.float32)
         x -= x.mean(axis=1, keepdims=True)
         x /= x.std(axis=1, keepdims=True)
         return x
 
-    train, held_out = features(source.train_images), features(source.eval_images)
+    train, held_out = features(source.train_features), features(source.eval_features)
     means = np.stack([train[source.train_labels == c].mean(axis=0) for c in range(10)])
     distance = (means**2).sum(axis=1)[None, :] - 2 * held_out @ means.T  # + |x|^2, the same for every class
     return float((distance.argmin(axis=1) == source.eval_labels).mean())
 
 
-def digest(source: data.ExampleSource) -> str:
+def digest(arrays) -> str:
     h = hashlib.sha256()
-    for array in (source.train_images, source.train_labels, source.eval_images, source.eval_labels):
+    for array in arrays:
         h.update(np.ascontiguousarray(array).tobytes())
     return h.hexdigest()
 
@@ -327,19 +409,20 @@ def digest(source: data.ExampleSource) -> str:
 def test_synthetic_data_set():
     source = data.load_source("synthetic", None)
     assert source.name == "synthetic"
-    assert source.train_images.shape == (20_000, 32, 32, 3) and source.train_images.dtype == np.uint8
-    assert source.eval_images.shape == (2_000, 32, 32, 3) and source.eval_images.dtype == np.uint8
+    assert source.train_features.shape == (20_000, 32, 32, 3) and source.train_features.dtype == np.uint8
+    assert source.eval_features.shape == (2_000, 32, 32, 3) and source.eval_features.dtype == np.uint8
     assert source.train_labels.dtype == np.int32 and source.eval_labels.dtype == np.int32
     assert np.bincount(source.train_labels, minlength=10).tolist() == [2_000] * 10
     assert np.bincount(source.eval_labels, minlength=10).tolist() == [200] * 10
-    assert 20 < source.train_images.std() < 100  # neither flat nor saturated
+    assert 20 < source.train_features.std() < 100  # neither flat nor saturated
 
-    assert data.load_source("synthetic", None) is source  # generated once per process
-    assert digest(data._synthetic_source.__wrapped__()) == digest(source)  # a fresh generation is identical
-    assert not source.train_images.flags.writeable
+    arrays = image_data._synthetic_arrays()
+    assert arrays[0] is source.train_features  # generated once per process
+    assert digest(image_data._synthetic_arrays.__wrapped__()) == digest(arrays)  # a fresh generation is identical
+    assert not source.train_features.flags.writeable
 
-    train_rows = {row.tobytes() for row in source.train_images.reshape(20_000, -1)}
-    assert not any(row.tobytes() in train_rows for row in source.eval_images.reshape(2_000, -1))
+    train_rows = {row.tobytes() for row in source.train_features.reshape(20_000, -1)}
+    assert not any(row.tobytes() in train_rows for row in source.eval_features.reshape(2_000, -1))
 
     accuracy = nearest_class_mean_accuracy(source)
     assert 0.3 < accuracy < 0.95, accuracy

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-import models
-from tower_train import data
+import tower_train.models as models
+from tower_train import data, image_data
 from tower_train.errors import UsageError
 from tower_train.evaluation import correct_counter, evaluate, shard_bounds, use_moving_average
 from tower_train.schedules import MovingAverage
@@ -28,7 +28,7 @@ TOWERS = ("/cpu:1", "/cpu:2", "/cpu:3")  # conftest made /cpu:0..8
 # updates, and its moving average (decay (1 + t) / (10 + t) early on) predicts differently.
 LINEAR_MODULE = '''
 import keras
-import models
+import tower_train.models as models
 
 
 @models.register("eval_test_linear")
@@ -88,10 +88,10 @@ def test_evaluate_counts_every_example_once_over_three_towers(batch_size):
     images = small_source()
     model = SpyModel(len(images))
     with tf.device("/cpu:0"):  # the plain reference: one device, one batch
-        predicted = np.argmax(model.logits(data.center_standardize(images)).numpy(), axis=-1)
+        predicted = np.argmax(model.logits(image_data.center_standardize(images)).numpy(), axis=-1)
     right = np.array([0, 2, 3, 5, 8])  # these examples get their predicted class as label
     labels = np.where(np.isin(np.arange(10), right), predicted, (predicted + 1) % 10).astype(np.int32)
-    source = data.ExampleSource("small", images[:1], labels[:1], images, labels)
+    source = image_data.image_source("small", images[:1], labels[:1], images, labels)
 
     precision, count = evaluate(model, source, batch_size, TOWERS)
 
@@ -113,8 +113,8 @@ def test_shards_are_contiguous_cover_the_batch_and_differ_by_at_most_one():
 def test_each_shard_runs_on_its_own_tower():
     model = SpyModel(10)
     count = correct_counter(model, TOWERS)
-    images = data.center_standardize(small_source())
-    graph = count.get_concrete_function(images, tf.zeros([10], tf.int32)).graph
+    images = image_data.center_standardize(small_source())
+    graph = count.get_concrete_function(images, tf.zeros([10], tf.int32), tf.ones([10])).graph
     placed = {tf.DeviceSpec.from_string(op.device).device_index for op in graph.get_operations()
               if op.type in ("If", "StatelessIf")}
     assert placed == {1, 2, 3}
@@ -242,7 +242,7 @@ def restore_independently(path, moving_average):
 
 def plain_correct(model, source):
     """Correct predictions over the held-out split: numpy preprocessing, one device, one batch."""
-    crop = source.eval_images[:, 4:28, 4:28, :].astype(np.float64)
+    crop = source.eval_features[:, 4:28, 4:28, :].astype(np.float64)
     mean = crop.mean(axis=(1, 2, 3), keepdims=True)
     std = np.maximum(crop.std(axis=(1, 2, 3), keepdims=True), 1 / np.sqrt(24 * 24 * 3))
     with tf.device("/cpu:0"):
@@ -258,6 +258,7 @@ def printed(result):
     return float(precision), int(count)
 
 
+@pytest.mark.cpu_only  # the command's towers are the /cpu:1..3 it is checked against here
 @pytest.mark.parametrize("weights", ["ema", "trained"])
 def test_eval_prints_the_precision_of_the_restored_weights(runs, weights):
     train_dir, results = runs
@@ -295,20 +296,22 @@ def test_bad_input_is_one_line_and_writes_nothing(runs, name, expected):
 
 def test_a_damaged_data_file_or_another_network_is_refused_in_one_line(runs):
     """The checks after the cheap ones, called in this process."""
-    from tower_train import eval as eval_command
-    from tower_train.config import TrainConfig
+    from tower_train import checkpoints
 
     train_dir, _ = runs
     copy = train_dir.parent / "damaged"
     copy.mkdir()
     for f in ("ckpt-2.index", "ckpt-2.data-00000-of-00001"):
         shutil.copy(train_dir / f, copy / f)
-    info = eval_command.find_checkpoint(str(copy / "ckpt-2"), "/unused")
+    info = checkpoints.find_checkpoint(str(copy / "ckpt-2"), "/unused")
     assert info.has_moving_average
     # cifar10_cnn has none of the linear model's names: the restore's own match refuses it.
     with pytest.raises(UsageError, match="does not hold the weights of --model=cifar10_cnn"):
-        eval_command.restore(TrainConfig(), info, with_average=False, device="/cpu:0")
+        with tf.device("/cpu:0"):
+            cnn = models.model_class("cifar10_cnn")(num_classes=10)
+            cnn(tf.zeros([1, 24, 24, 3]))
+        checkpoints.restore_for_evaluation(info, {"model": cnn}, "cifar10_cnn")
     with open(copy / "ckpt-2.data-00000-of-00001", "r+b") as f:
         f.truncate(1000)
     with pytest.raises(UsageError, match=f"--checkpoint={copy / 'ckpt-2'}: checkpoint .* is unreadable"):
-        eval_command.find_checkpoint(str(copy / "ckpt-2"), "/unused")
+        checkpoints.find_checkpoint(str(copy / "ckpt-2"), "/unused")

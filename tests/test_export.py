@@ -1,5 +1,6 @@
-"""--export_dir: a SavedModel of the averaged weights, raw uint8 images in, logits out, that
-loads without tower-train; and nothing is ever overwritten."""
+"""--export_dir: a SavedModel of the averaged weights, raw features in (uint8 images for the
+built-in data), logits out, that loads without tower-train and refuses any other shape; and
+nothing is ever overwritten."""
 import logging
 import os
 import subprocess
@@ -10,8 +11,9 @@ import pytest
 import tensorflow as tf
 from absl import logging as absl_logging
 
-import models
-from tower_train import data, export
+import tower_train.models as models
+from tower_train import data, export, image_data
+from tower_train.model_spec import ModelSpec
 from tower_train.errors import UsageError
 from test_cli_errors import run_cli
 
@@ -25,9 +27,9 @@ import tensorflow as tf
 
 export_dir, images_file, logits_file = sys.argv[1:]
 serve = tf.saved_model.load(export_dir).signatures["serving_default"]
-spec = serve.structured_input_signature[1]["images"]
+spec = serve.structured_input_signature[1]["features"]
 assert spec.shape.as_list() == [None, 32, 32, 3] and spec.dtype == tf.uint8, spec
-logits = serve(images=tf.constant(np.load(images_file)))["logits"]
+logits = serve(features=tf.constant(np.load(images_file)))["logits"]
 assert logits.dtype == tf.float32 and logits.shape[1:] == [10], logits
 np.save(logits_file, logits.numpy())
 """
@@ -35,7 +37,7 @@ np.save(logits_file, logits.numpy())
 
 def raw_images():
     """uint8 [18, 32, 32, 3]: 16 held-out images, a black one and a white one (zero variance)."""
-    held_out = data.load_source("synthetic", None).eval_images[:16]
+    held_out = data.load_source("synthetic", None).eval_features[:16]
     flat = np.stack([np.zeros((32, 32, 3), np.uint8), np.full((32, 32, 3), 255, np.uint8)])
     return np.concatenate([held_out, flat])
 
@@ -79,9 +81,9 @@ def test_the_export_serves_the_averaged_weights_without_tower_train(tmp_path):
     checkpoint = str(train_dir / "ckpt-2")
     averaged = cnn_from_checkpoint(checkpoint, moving_average=True)
     with tf.device("/cpu:0"):
-        expected = averaged(data.center_standardize(images)).numpy()
+        expected = averaged(image_data.center_standardize(images)).numpy()
         trained = cnn_from_checkpoint(checkpoint, moving_average=False)(
-            data.center_standardize(images)).numpy()
+            image_data.center_standardize(images)).numpy()
     assert served.shape == (18, 10)
     np.testing.assert_allclose(served, expected, rtol=1e-5, atol=1e-5)
     assert np.max(np.abs(served - trained)) > 1e-3  # the averages, not the trained weights
@@ -101,9 +103,12 @@ def test_a_non_empty_export_dir_is_refused_at_start_up_and_left_untouched(tmp_pa
     assert (export_dir / "saved_model.pb").read_text() == "precious"
 
 
+CNN = ModelSpec("cifar10_cnn", lambda: models.model_class("cifar10_cnn")(num_classes=10))
+
+
 def fresh_cnn():
     with tf.device("/cpu:0"):
-        model = models.model_class("cifar10_cnn")(num_classes=10)
+        model = CNN.make()
         model(tf.zeros([1, 24, 24, 3]))
     return model
 
@@ -119,7 +124,7 @@ def test_export_dir_filled_while_writing_is_not_overwritten(tmp_path, monkeypatc
 
     monkeypatch.setattr(export.tf.saved_model, "save", save_then_someone_writes)
     with pytest.raises(UsageError, match="exists and is not empty"):
-        export.export_saved_model(fresh_cnn(), None, str(export_dir))
+        export.export_saved_model(CNN, data.load_source("synthetic"), fresh_cnn(), None, str(export_dir))
     assert sorted(os.listdir(tmp_path)) == ["export"]  # the staging directory is gone
     assert os.listdir(export_dir) == ["theirs"]
     assert (export_dir / "theirs").read_text() == "precious"
@@ -133,13 +138,19 @@ def test_without_a_moving_average_the_trained_weights_go_into_an_empty_export_di
     absl_logging.set_verbosity(absl_logging.INFO)  # as the CLI does; else saving resets it to WARNING
     try:
         with caplog.at_level(logging.INFO):
-            export.export_saved_model(model, None, str(export_dir))
+            export.export_saved_model(CNN, data.load_source("synthetic"), model, None, str(export_dir))
     finally:
         absl_logging.set_verbosity(verbosity)
     assert "exported the trained weights (no moving average: --ema_decay=0)" in caplog.text
     images = raw_images()[-4:]
-    served = tf.saved_model.load(str(export_dir)).signatures["serving_default"](
-        images=tf.constant(images))["logits"]
+    serve = tf.saved_model.load(str(export_dir)).signatures["serving_default"]
+    served = serve(features=tf.constant(images))["logits"]
     with tf.device("/cpu:0"):
-        expected = model(data.center_standardize(images))
+        expected = model(image_data.center_standardize(images))
     np.testing.assert_allclose(served.numpy(), expected.numpy(), rtol=1e-5, atol=1e-5)
+    # Any other shape or dtype is refused at the signature, with the declared one named.
+    for wrong in (np.zeros((2, 64, 64, 3), np.uint8), np.zeros((2, 24, 24, 3), np.uint8),
+                  np.zeros((2, 32, 32, 3), np.float32)):
+        with pytest.raises((TypeError, ValueError, tf.errors.InvalidArgumentError)) as error:
+            serve(features=tf.constant(wrong))
+        assert "uint8" in str(error.value), error.value

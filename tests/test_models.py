@@ -1,23 +1,95 @@
-"""The model base class and registry, and the README's "Adding a model" example, run as written."""
+"""The model base class and registry; the README's own-network script and the docs' registered
+model, run as written; user modules for --model_module and --data_module in the current directory."""
+import os
 import re
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
-import models
+import tower_train.models as models
 from tower_train.errors import UsageError
 from test_cli_errors import ROOT, run_cli
 
 
-def readme_model_example() -> str:
-    readme = (Path(ROOT) / "README.md").read_text()
-    section = readme[readme.index("## Adding a model"):]
+def python_block(document: str, heading: str) -> str:
+    """The first ```python block after `heading` in a Markdown file of the repository."""
+    text = (Path(ROOT) / document).read_text()
+    section = text[text.index(heading):]
     return re.search(r"```python\n(.*?)```", section, re.S).group(1)
 
 
-def test_the_readme_example_trains_from_the_command_line(tmp_path):
+def readme_model_example() -> str:
+    return python_block("docs/models.md", "## Adding a model")
+
+
+def test_the_readme_script_trains_a_user_network_on_user_arrays(tmp_path):
+    script = python_block("README.md", "## Your own network on your own data")
+    assert '"/tmp/tower_train_mlp"' in script
+    (tmp_path / "my_training.py").write_text(script.replace("/tmp/tower_train_mlp", str(tmp_path / "run")))
+    result = subprocess.run([sys.executable, "my_training.py"], cwd=tmp_path, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    match = re.search(r"step 60: loss ([\d.]+), held-out precision @ 1 = ([\d.]+) over 2048 examples",
+                      result.stdout)
+    assert match, result.stdout
+    assert float(match.group(2)) > 0.5  # 16 classes: chance is 0.06
+    assert (tmp_path / "run" / "ckpt-60.index").exists()
+
+
+USER_MODULE = '''
+import keras
+import numpy as np
+
+import tower_train
+from tower_train.models import TowerModel, register
+
+
+@register("user_sequence_tagger")
+class Tagger(TowerModel):
+    """Token ids [B, 6] -> logits [B, 6, num_classes]: one label per token."""
+
+    def __init__(self, num_classes, **kwargs):
+        super().__init__(num_classes, **kwargs)
+        self.embed = keras.layers.Embedding(50, 8)
+        self.logits = keras.layers.Dense(num_classes)
+
+    def call(self, tokens, training=False):
+        return self.logits(self.embed(tokens))
+
+
+@tower_train.data.register("user_tokens")
+def tokens():
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, 50, (256, 6))
+    return tower_train.ArraySource(ids, ids % 12, eval_features=ids[:64], eval_labels=ids[:64] % 12,
+                                   name="user_tokens")
+'''
+
+
+@pytest.mark.parametrize("how", ["python -m", "console script"])
+def test_modules_in_the_current_directory_register_models_and_data(tmp_path, how):
+    # Named models.py on purpose: the product must neither shadow nor be shadowed by it.
+    (tmp_path / "models.py").write_text(USER_MODULE)
+    command = ([sys.executable, "-m", "tower_train"] if how == "python -m"
+               else [shutil.which("tower-train", path=os.path.dirname(sys.executable))])
+    assert command[0], "the tower-train console script is not installed beside this python"
+    result = subprocess.run(
+        [*command, "--model_module=models", "--model=user_sequence_tagger", "--data_module=models",
+         "--dataset=user_tokens", "--num_gpus=2", "--accum=2", "--batch_size=4", "--max_steps=3",
+         "--optimizer=sgd", "--learning_rate=0.5", f"--train_dir={tmp_path / 'run'}"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+        env={k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "TF_CONFIG")})
+    assert result.returncode == 0, result.stderr[-3000:]
+    # 64 held-out sequences of 6 tokens: precision is over tokens, every one counted once.
+    assert "done: step 3" in result.stderr and "(64 examples)" in result.stderr
+
+
+def test_the_docs_registered_model_trains_from_the_command_line(tmp_path):
     (tmp_path / "my_models.py").write_text(readme_model_example())
     result = run_cli("--model_module=my_models", "--model=tiny_mlp", "--num_gpus=2", "--accum=2",
                      "--batch_size=8", "--max_steps=2", "--log_every=1",

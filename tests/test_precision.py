@@ -22,7 +22,7 @@ def first_update_delta(**layout) -> tuple[list[np.ndarray], object]:
     """The change of every weight in the first update of a run, and the run."""
     run = make_run(**layout)
     before = weights(run.state.model)
-    assert bool(run.inner.run_update(synthetic_batches(run))[1])
+    assert run.inner.run_update(synthetic_batches(run)).applied
     return [after - start for after, start in zip(weights(run.state.model), before)], run
 
 
@@ -52,9 +52,9 @@ def test_fp16_loss_scale_moves_once_per_update_not_per_micro_step(monkeypatch):
     batches = synthetic_batches(run)
     scale = run.state.loss_scale
     scale.value.assign(2.0 ** 8)  # low enough that this model's float16 gradients do not overflow
-    assert bool(run.inner.run_update(batches)[1])
+    assert run.inner.run_update(batches).applied
     assert (scale.value.numpy(), scale.good_updates.numpy()) == (2.0 ** 8, 1)
-    assert bool(run.inner.run_update(batches)[1])
+    assert run.inner.run_update(batches).applied
     # 2 updates of 3 micro-steps: doubled once. Counting micro-steps would have doubled it 3 times.
     assert (scale.value.numpy(), scale.good_updates.numpy()) == (2.0 ** 9, 0)
 
@@ -74,17 +74,17 @@ def test_fp16_overflow_skips_the_update_everywhere_and_halves_the_scale(mode):
     scale.value.assign(2.0 ** 60)
     before_weights, before_state = weights(run.state.model), optimizer_state(run)
 
-    loss, applied = run.inner.run_update(iter(batches))
+    result = run.inner.run_update(iter(batches))
 
-    assert not bool(applied) and np.isfinite(float(loss))
+    assert not result.applied and np.isfinite(result.loss)
     assert scale.value.numpy() == 2.0 ** 59 and scale.good_updates.numpy() == 0
     for got, want in zip(weights(run.state.model) + optimizer_state(run), before_weights + before_state):
         np.testing.assert_array_equal(got, want)
     # Nothing of the skipped update lingers in the accumulators: at the usual scale the same
     # batches now give a fresh run's first update.
     scale.value.assign(LossScale.INITIAL)
-    assert bool(run.inner.run_update(iter(batches))[1])
-    assert bool(reference.inner.run_update(iter(batches))[1])
+    assert run.inner.run_update(iter(batches)).applied
+    assert reference.inner.run_update(iter(batches)).applied
     for got, want in zip(weights(run.state.model), weights(reference.state.model)):
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
 

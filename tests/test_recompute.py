@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-import models
+import tower_train.models as models
 from tower_train.errors import UsageError
 from tower_train.towers import tower_loss_and_gradients
 from helpers import make_run, synthetic_batches, weights
@@ -41,11 +41,11 @@ def test_gradients_and_moving_statistics_are_those_without_recompute(name):
         @tf.function
         def tower(model=model):
             with tf.name_scope("tower_0"):  # as run_on_towers: Keras needs a scope in a graph
-                return tower_loss_and_gradients(model, images, labels)
+                return tower_loss_and_gradients(model, images, labels, tf.ones([4]))
 
         graph = tower.get_concrete_function().graph
         convolutions[recompute] = sum(op.type == "Conv2D" for op in graph.get_operations())
-        loss, grads = tower()
+        loss, _, grads = tower()
         results[recompute] = (float(loss), values(grads), values(model.non_trainable_variables))
     # The blocks really are computed twice: every convolution is in one block.
     assert convolutions[True] == 2 * convolutions[False]
@@ -92,7 +92,7 @@ def test_tower_mode_trains_the_same_weights_with_recompute(name):
                        learning_rate=0.1, ema_decay=0.0, recompute=recompute)
         batches = synthetic_batches(run)
         for _ in range(2):
-            assert bool(run.inner.run_update(batches)[1])
+            assert run.inner.run_update(batches).applied
         trained[recompute] = weights(run.state.model), values(run.state.model.non_trainable_variables)
     start = weights(built(name, False))
     assert max(np.abs(a - b).max() for a, b in zip(trained[False][0], start)) > 1e-3  # it did train
@@ -124,7 +124,7 @@ def test_recompute_refuses_models_that_cannot_take_it():
 
 MODULE = '''
 import keras
-import models
+import tower_train.models as models
 
 
 @models.register("old_style")

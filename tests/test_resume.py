@@ -5,9 +5,11 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
+from helpers import read_until
 from test_cli_errors import ROOT, run_cli
-from test_modes import start_workers
+from test_modes import kill_running, start_workers
 from test_train import checkpoint_values
 
 EXACT = ["--num_gpus=2", "--accum=3", "--batch_size=8", "--optimizer=momentum", "--augment",
@@ -21,11 +23,13 @@ def start(*args):
 
 
 def signal_after(process, line, number):
-    seen = ""
-    while line not in seen:
-        seen += process.stderr.readline()
-    process.send_signal(number)
-    return seen + process.communicate(timeout=120)[1]
+    """Sends signal `number` once `line` is on the process's stderr; returns all of its stderr."""
+    try:
+        seen = read_until(process, line, timeout=300)
+        process.send_signal(number)
+        return seen + process.communicate(timeout=120)[1]
+    finally:
+        kill_running([process])
 
 
 def assert_same_weights(dir_a, dir_b):
@@ -93,14 +97,17 @@ def test_a_train_dir_of_another_run_is_refused_saying_what_differs(tmp_path):
     assert same_g.returncode == 0 and "at step 1" in same_g.stderr
 
 
+@pytest.mark.cpu_only
 def test_sigterm_to_one_worker_stops_every_worker_at_the_same_step(tmp_path):
     workers = start_workers(tmp_path / "mw", 2, ["--batch_size=16", "--max_steps=100000",
                                                  "--log_every=1", "--collective_timeout=60"])
-    seen = ""
-    while "step 3," not in seen:
-        seen += workers[1].stderr.readline()
-    workers[1].send_signal(signal.SIGTERM)
-    outputs = [w.communicate(timeout=120)[1] for w in workers]
+    try:
+        seen = read_until(workers[1], "step 3,", timeout=240)
+        workers[1].send_signal(signal.SIGTERM)
+        outputs = [w.communicate(timeout=120)[1] for w in workers]
+    finally:
+        kill_running(workers)
+    outputs[1] = seen + outputs[1]
     lasts = [out.strip().splitlines()[-1] for out in outputs]
     assert [w.returncode for w in workers] == [128 + signal.SIGTERM] * 2, lasts
     assert lasts[1].startswith("tower_train: stopped by SIGTERM after update ")

@@ -5,7 +5,7 @@ import pytest
 import tensorflow as tf
 
 from tower_train.devices import canonical_device
-from tower_train.towers import average_gradients
+from tower_train.towers import combine_gradients
 from helpers import cross_tower_ops, make_run, synthetic_batches, weights
 
 LR = 0.1
@@ -24,12 +24,16 @@ def plain_sgd_reference(model, images, labels):
                              for w, g in zip(model.trainable_variables, grads)]
 
 
-def test_average_gradients_is_the_mean_over_towers_and_micro_steps():
+def test_combine_gradients_weighs_each_towers_sum_by_its_labels_over_the_total_weight():
     a = [tf.constant([1.0, 2.0]), tf.constant(3.0)]
     b = [tf.constant([5.0, 6.0]), tf.constant(7.0)]
-    mean = average_gradients([a, b], num_micro_steps=2)
+    # Equal shards of c = 4 labels, unit weights, 2 towers x 2 micro-steps: W = 16, the plain mean.
+    mean = combine_gradients([a, b], [4, 4], tf.constant(16.0))
     np.testing.assert_allclose(mean[0], [1.5, 2.0])
     np.testing.assert_allclose(mean[1], 2.5)
+    # Unequal shards (3 and 1 labels) and W = 2: tower sums scaled by 3/2 and 1/2.
+    skewed = combine_gradients([a, b], [3, 1], tf.constant(2.0))
+    np.testing.assert_allclose(skewed[0], [1.5 * 1 + 0.5 * 5, 1.5 * 2 + 0.5 * 6])
 
 
 @pytest.mark.parametrize("num_gpus,accum", [(4, 2), (2, 3), (1, 4), (3, 1)])
@@ -44,12 +48,13 @@ def test_towers_and_accumulation_equal_one_plain_step_on_the_concatenated_batch(
     expected_loss, expected = plain_sgd_reference(run.state.model, images, labels)
 
     micro = batch * num_gpus
-    batches = iter([(images[i:i + micro], labels[i:i + micro]) for i in range(0, g, micro)])
-    loss, applied = run.inner.run_update(batches)
-    assert bool(applied)
-    loss = float(loss)
+    ones = np.ones(g, np.float32)
+    batches = iter([(images[i:i + micro], labels[i:i + micro], ones[i:i + micro])
+                    for i in range(0, g, micro)])
+    result = run.inner.run_update(batches)
+    assert result.applied and result.total_weight == g
 
-    assert loss == pytest.approx(expected_loss, rel=1e-5)
+    assert result.loss == pytest.approx(expected_loss, rel=1e-5)
     for got, want in zip(weights(run.state.model), expected):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
@@ -100,7 +105,8 @@ def test_apply_runs_once_per_update_and_steps_count_updates():
 
 def test_micro_steps_that_do_not_update_move_no_gradient_across_devices():
     run = make_run(num_gpus=3, accum=4, batch_size=4)
-    spec = (tf.TensorSpec([12, 24, 24, 3], tf.float32), tf.TensorSpec([12], tf.int32))
+    spec = (tf.TensorSpec([12, 24, 24, 3], tf.float32), tf.TensorSpec([12], tf.int32),
+            tf.TensorSpec([12], tf.float32))
     accumulate = run.inner.accumulate.get_concrete_function(*spec).graph
     update = run.inner.update.get_concrete_function(*spec).graph
     param = canonical_device(run.param_device)

@@ -1,1 +1,28 @@
-"""tower-train: data-parallel training with towers and gradient accumulation in TF2."""
+"""tower-train: data-parallel training with towers and gradient accumulation in TF2.
+
+The Python API (`fit`, `ArraySource`, `TFRecordSource`, `TowerModel`) is loaded on
+first use, so that the command line can check its flags before TensorFlow loads.
+"""
+from __future__ import annotations
+
+import importlib
+
+from tower_train.errors import Stopped, TrainingError, UsageError
+
+_LAZY = {
+    "fit": "tower_train.api",
+    "evaluate_checkpoint": "tower_train.eval",
+    "ArraySource": "tower_train.data",
+    "Source": "tower_train.data",
+    "TFRecordSource": "tower_train.tfrecord_source",
+    "TowerModel": "tower_train.models",
+    "TrainResult": "tower_train.trainer",
+}
+
+__all__ = ["Stopped", "TrainingError", "UsageError", *_LAZY]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'tower_train' has no attribute {name!r}")

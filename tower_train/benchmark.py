@@ -40,7 +40,8 @@ from typing import TYPE_CHECKING, Callable
 from absl import flags
 
 from tower_train import flags as tt_flags
-from tower_train.cli import fail, parse_config, prepare_devices
+from tower_train.api import check_data, prepare_devices
+from tower_train.cli import command, parse_config
 from tower_train.config import TrainConfig
 from tower_train.errors import UsageError
 from tower_train.stats import jitter
@@ -119,6 +120,8 @@ def build_workload(bench: BenchConfig, config: TrainConfig, plan: DevicePlan) ->
 
     from tower_train import data
     from tower_train.devices import parameter_device
+    from tower_train.model_spec import resolve_model
+    from tower_train.trainer import build_state
 
     config = dataclasses.replace(config, batch_size=bench.batch_size, accum=bench.accum)
     if bench.kind.startswith("tower_ps"):  # the kind, not --ps_device, says where the variables live
@@ -128,60 +131,64 @@ def build_workload(bench: BenchConfig, config: TrainConfig, plan: DevicePlan) ->
     elif bench.kind in ("mirrored", "central_storage"):
         config = dataclasses.replace(config, mode=bench.kind, all_reduce="auto")
     micro = bench.batch_size * len(plan.tower_devices)
-    source = data.load_source(config.dataset, config.data_dir)
+    source = data.load_source(config.dataset, config.data_dir, config.augment)
+    spec = resolve_model(None, config, None, source.num_classes)
     if bench.from_pipeline:
-        dataset = data.train_stream(source, seed=config.seed, start_position=0, micro_batch=micro,
-                                    augment=config.augment)
+        dataset = source.train_stream(seed=config.seed, start_position=0, micro_batch=micro)
     else:
+        example = source.example_input()
         rng = np.random.default_rng(config.seed)
         with tf.device("/cpu:0"):
-            images = tf.constant(rng.normal(size=(micro, data.IMAGE_SIZE, data.IMAGE_SIZE, 3)),
-                                 tf.float32)
-            labels = tf.constant(rng.integers(0, data.NUM_CLASSES, micro), tf.int32)
-        dataset = tf.data.Dataset.from_tensors((images, labels)).repeat()
+            features = tf.constant(rng.normal(size=(micro, *example.shape[1:])), example.dtype)
+            labels = tf.constant(rng.integers(0, source.num_classes, (micro, *source.label_spec.shape)),
+                                 source.label_spec.dtype)
+            weights = tf.ones(labels.shape, tf.float32)
+        dataset = tf.data.Dataset.from_tensors((features, labels, weights)).repeat()
     builder = {"plain": _plain, "keras_fit": _keras_fit}.get(bench.kind, _mode)
-    run = builder(config, plan, dataset, len(source.train_labels))
+    run = builder(config, plan, dataset, lambda scope: build_state(config, spec, source, scope),
+                  source.train_size)
     return Workload(run, micro * bench.accum)
 
 
-def _mode(config: TrainConfig, plan: DevicePlan, dataset, train_examples: int) -> Callable[[int], float]:
+def _mode(config: TrainConfig, plan: DevicePlan, dataset, new_state: Callable,
+          train_examples: int | None) -> Callable[[int], float]:
     """tower_pscpu, tower_psgpu, mirrored, central_storage: the trainer's own inner step."""
     from tower_train.modes import build_mode
-    from tower_train.trainer import build_state
 
     mode = build_mode(config, plan)
-    state = build_state(config, mode.variable_scope(), train_examples)
+    state = new_state(mode.variable_scope())
     inner = mode.inner_step(state, config.accum, config.clip_norm, config.jit_compile)
     batches = iter(dataset)
 
     def run(updates: int) -> float:
         start = time.perf_counter()
         for _ in range(updates):
-            float(inner.run_update(batches)[0])  # the loss's value: waits for the update
+            inner.run_update(batches)  # its result is read: waits for the update
         return time.perf_counter() - start
 
     return run
 
 
-def _plain(config: TrainConfig, plan: DevicePlan, dataset, train_examples: int) -> Callable[[int], float]:
+def _plain(config: TrainConfig, plan: DevicePlan, dataset, new_state: Callable,
+           train_examples: int | None) -> Callable[[int], float]:
     """One GradientTape step on the parameter device over all G examples, with the same
-    update-boundary work (clip, apply, count, average) as the towers'."""
+    update-boundary work (regularization, clip, apply, count, average) as the towers'."""
     import tensorflow as tf
 
-    from tower_train.towers import tower_loss_and_gradients
-    from tower_train.trainer import build_state
+    from tower_train.towers import regularization_gradients, tower_loss_and_gradients
 
-    state = build_state(config, tf.device(plan.param_device), train_examples)
+    state = new_state(tf.device(plan.param_device))
     rule = state.update_rule(config.clip_norm)
     whole_batches = iter(dataset.batch(config.accum).map(
-        lambda images, labels: (tf.reshape(images, [-1, *images.shape[2:]]), tf.reshape(labels, [-1]))))
+        lambda *parts: tuple(tf.reshape(p, [-1, *p.shape[2:]]) for p in parts)))
 
     @tf.function(jit_compile=config.jit_compile)
-    def plain_step(images: tf.Tensor, labels: tf.Tensor) -> tf.Tensor:
+    def plain_step(features: tf.Tensor, labels: tf.Tensor, weights: tf.Tensor) -> tf.Tensor:
         with tf.device(plan.param_device):
-            loss, grads = tower_loss_and_gradients(state.model, images, labels)
-            rule.apply(rule.clip(grads))
-            return loss
+            loss_sum, weight_sum, grads = tower_loss_and_gradients(state.model, features, labels, weights)
+            regularization, regularization_grads = regularization_gradients(state.model)
+            rule.apply(rule.clip([g + r for g, r in zip(grads, regularization_grads)]))
+            return loss_sum / weight_sum + regularization
 
     def run(updates: int) -> float:
         start = time.perf_counter()
@@ -192,15 +199,17 @@ def _plain(config: TrainConfig, plan: DevicePlan, dataset, train_examples: int) 
     return run
 
 
-def _keras_fit(config: TrainConfig, plan: DevicePlan, dataset, train_examples: int) -> Callable[[int], float]:
+def _keras_fit(config: TrainConfig, plan: DevicePlan, dataset, new_state: Callable,
+               train_examples: int | None) -> Callable[[int], float]:
     """What a user would pick instead: Keras's own train step and gradient accumulation, on
     the same network, loss, optimizer and schedule, fed the micro-batch of all towers."""
     import keras
     import tensorflow as tf
 
-    from tower_train.trainer import build_state, make_optimizer
+    from tower_train.trainer import make_optimizer
 
-    net = build_state(config, tf.device(plan.param_device), train_examples).model
+    state = new_state(tf.device(plan.param_device))
+    net = state.model
 
     class FitModel(keras.Model):
         """The network behind Keras's train step, with tower-train's loss: mean + regularization."""
@@ -315,22 +324,24 @@ def format_report(results: list[Measurement], towers: int, batch_size: int) -> s
 def peak_memory_main(argv: list[str]) -> int:
     """The subprocess of --measure=memory: builds one configuration, runs its updates, and
     prints one JSON line of memory figures in MB."""
+    return command(lambda: _peak_memory(argv))
+
+
+def _peak_memory(argv: list[str]) -> int:
     import tensorflow as tf
 
-    try:
-        options = bench_flags()
-        config = parse_config(argv)
-        bench = parse_config_name(_one(options["configs"].value), config.batch_size)
-        plan = prepare_devices(config, announce=False)
-        workload = build_workload(bench, config, plan)
-        gpus = _gpu_names(plan)
-        rss_before = _status_mb("VmRSS")
-        _reset_peak_rss()
-        for device in gpus:
-            tf.config.experimental.reset_memory_stats(device)
-        workload.run(options["warmup_updates"].value + options["updates"].value)
-    except (UsageError, flags.Error) as e:
-        return fail(e)
+    options = bench_flags()
+    config = parse_config(argv, __doc__ or "", options)
+    bench = parse_config_name(_one(options["configs"].value), config.batch_size)
+    check_data(config, None)
+    plan = prepare_devices(config)
+    workload = build_workload(bench, config, plan)
+    gpus = _gpu_names(plan)
+    rss_before = _status_mb("VmRSS")
+    _reset_peak_rss()
+    for device in gpus:
+        tf.config.experimental.reset_memory_stats(device)
+    workload.run(options["warmup_updates"].value + options["updates"].value)
     print(json.dumps({
         "config": bench.name, "global_batch": workload.global_batch, "accum": bench.accum,
         "batch_per_tower": bench.batch_size, "rss_before_mb": rss_before, "peak_rss_mb": _status_mb("VmHWM"),
@@ -420,34 +431,31 @@ def _reset_peak_rss() -> None:
 # --------------------------------------------------------------------------------------------------
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv if argv is None else argv
-    try:
-        options = bench_flags()
-        config = parse_config(argv)
-        measure = options["measure"].value
-        if measure not in MEASURES:
-            raise UsageError(f"--measure={measure}: unknown; allowed: {', '.join(MEASURES)}")
-        if measure == "memory" and not os.path.exists("/proc/self/clear_refs"):
-            raise UsageError("--measure=memory: needs Linux's /proc/self/status and clear_refs")
-        names = options["configs"].value or default_configs(measure, config.batch_size)
-        benches = [parse_config_name(name, config.batch_size) for name in names]
-        for key in ("updates", "rounds"):
-            if options[key].value < 1:
-                raise UsageError(f"--{key}={options[key].value}: must be a whole number >= 1")
-        if options["warmup_updates"].value < 1:
-            raise UsageError("--warmup_updates must be >= 1: the first update traces")
-        plan = prepare_devices(config)
-        if measure == "memory":
-            results = measure_memory(benches, argv)
-            report = format_memory_report(results)
-        else:
-            measurements = run_benchmark(config, benches, plan, options["updates"].value,
-                                         options["warmup_updates"].value, options["rounds"].value)
-            results = [dataclasses.asdict(m) for m in measurements]
-            report = format_report(measurements, len(plan.tower_devices), config.batch_size)
-    except (UsageError, flags.Error) as e:
-        return fail(e)
+def _benchmark(argv: list[str]) -> int:
+    options = bench_flags()
+    config = parse_config(argv, __doc__ or "", options)
+    measure = options["measure"].value
+    if measure not in MEASURES:
+        raise UsageError(f"--measure={measure}: unknown; allowed: {', '.join(MEASURES)}")
+    if measure == "memory" and not os.path.exists("/proc/self/clear_refs"):
+        raise UsageError("--measure=memory: needs Linux's /proc/self/status and clear_refs")
+    names = options["configs"].value or default_configs(measure, config.batch_size)
+    benches = [parse_config_name(name, config.batch_size) for name in names]
+    for key in ("updates", "rounds"):
+        if options[key].value < 1:
+            raise UsageError(f"--{key}={options[key].value}: must be a whole number >= 1")
+    if options["warmup_updates"].value < 1:
+        raise UsageError("--warmup_updates must be >= 1: the first update traces")
+    check_data(config, None)
+    plan = prepare_devices(config, announce=True)
+    if measure == "memory":
+        results = measure_memory(benches, argv)
+        report = format_memory_report(results)
+    else:
+        measurements = run_benchmark(config, benches, plan, options["updates"].value,
+                                     options["warmup_updates"].value, options["rounds"].value)
+        results = [dataclasses.asdict(m) for m in measurements]
+        report = format_report(measurements, len(plan.tower_devices), config.batch_size)
     print(report)
     if options["output_json"].value:
         import tensorflow as tf
@@ -457,6 +465,11 @@ def main(argv: list[str] | None = None) -> int:
                        "batch_per_tower": config.batch_size, "cores": os.cpu_count(),
                        "tensorflow": tf.__version__, "results": results}, f, indent=2)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs `python -m tower_train.benchmark`; returns the exit status."""
+    return command(lambda: _benchmark(sys.argv if argv is None else argv))
 
 
 if __name__ == "__main__":

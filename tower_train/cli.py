@@ -1,7 +1,14 @@
-"""The command line: flags -> validated config -> devices -> training.
+"""The command line, a thin layer: flags -> the same options -> `tower_train.fit`.
 
-Bad input of any kind ends here as one line on stderr and exit status 2,
-before anything is written.
+Every command (train, eval, compare, benchmark) runs through `command`, which
+turns the library's errors into one line on stderr and an exit status:
+
+    2    bad input (UsageError, a bad flag): `tower_train: error: <message>`
+    1    training cannot go on (TrainingError): `tower_train: <message>`
+    128+ stopped by a signal at an update boundary, saved (Stopped)
+
+The one-line message of an error in the user's own code names its file:line;
+with TOWER_TRAIN_TRACEBACK=1 the full traceback follows it.
 """
 from __future__ import annotations
 
@@ -10,43 +17,46 @@ import logging as stdlib_logging
 import os
 import sys
 import tempfile
-from typing import TYPE_CHECKING, Iterator
+import traceback
+from typing import Callable, Iterable, Iterator
 
-from absl import app, flags, logging
+from absl import flags, logging
 
 from tower_train import cluster
 from tower_train import flags as tt_flags
-from tower_train.config import TrainConfig, check_train_dir
+from tower_train.config import TrainConfig
 from tower_train.errors import Stopped, TrainingError, UsageError
-from tower_train.stop_signals import StopSignals
-
-if TYPE_CHECKING:
-    from tower_train.devices import DevicePlan
+from tower_train.user_code import TRACEBACK_VARIABLE, UserCodeError
 
 PROG = "tower_train"
+USAGE = """python -m tower_train (or tower-train): data-parallel training with towers and gradient accumulation.
+
+    python -m tower_train --num_gpus=4 --accum=8          # the main job: 4 towers, 8 micro-steps per update
+    python -m tower_train --flagfile=flags/main.flags     # the same job as a recipe
+    python -m tower_train --helpfull                      # every flag
+
+With fewer GPUs than --num_gpus, GPU 0 (or the CPU) is split into logical devices, one per
+tower. The Python API is tower_train.fit; docs/ holds one page per topic.
+"""
+_HELP = flags.DEFINE_bool("help", False, "Show the main flags and exit.", short_name="h")
+_HELPFULL = flags.DEFINE_bool("helpfull", False, "Show every flag and exit.")
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Runs `python -m tower_train`; returns the exit status."""
+class HelpShown(Exception):
+    """--help or --helpfull was asked for: the message is the help text."""
+
+
+def command(body: Callable[[], int]) -> int:
+    """Runs a command's body; returns its exit status, errors as one line (see the module doc)."""
     try:
-        config = parse_config(sys.argv if argv is None else argv)
-        worker, watchdog = cluster.SINGLE_PROCESS, None
-        if config.mode == "multi_worker":
-            worker = cluster.parse_tf_config(os.environ.get("TF_CONFIG"))
-            watchdog = cluster.PeerWatchdog(worker, config.collective_timeout, PROG)  # before TF loads
-        with _native_startup_lines_hidden():
-            from tower_train import data, trainer
-        check_train_dir(config.train_dir)
-        data.check_data_dir(config.dataset, config.data_dir)
-        # The trainer announces the plan once the model is built: a model that cannot run in
-        # this mode is then refused in one line, before anything else is said.
-        plan = prepare_devices(config, announce=False)
-        stop = StopSignals()
-        if watchdog is None:
-            trainer.train(config, plan, stop=stop)
-        else:
-            _train_worker(config, plan, worker, watchdog, stop)
-    except (UsageError, flags.Error) as e:
+        return body()
+    except HelpShown as e:
+        print(e)
+        return 0
+    except flags.Error as e:
+        # absl words some of its errors "ERROR:: ...": the prefix would be said twice.
+        return fail(UsageError(str(e).removeprefix("ERROR:: ")))
+    except UsageError as e:
         return fail(e)
     except Stopped as e:
         print(f"{PROG}: {e}", file=sys.stderr)
@@ -54,30 +64,29 @@ def main(argv: list[str] | None = None) -> int:
     except TrainingError as e:
         print(f"{PROG}: {e}", file=sys.stderr)
         return 1
-    return 0
 
 
-def _train_worker(config: TrainConfig, plan: DevicePlan, worker: cluster.WorkerInfo,
-                  watchdog: cluster.PeerWatchdog, stop: StopSignals) -> None:
-    """One worker of a multi_worker run; a collective that fails for a lost peer ends it in one line."""
-    import tensorflow as tf
-
-    from tower_train import trainer
-
-    try:
-        trainer.train(config, plan, worker, heartbeat=watchdog.progress, stop=stop)
-    except (tf.errors.UnavailableError, tf.errors.DeadlineExceededError,
-            tf.errors.CancelledError, tf.errors.AbortedError) as e:
-        raise TrainingError(f"[{worker.name}] a collective failed ({type(e).__name__}): "
-                            f"{cluster.peer_trouble(worker)}") from None
-    finally:
-        watchdog.stop()
+def fail(error: Exception) -> int:
+    """Prints a bad-input error as one line; returns the exit status for it."""
+    print(f"{PROG}: error: {error}", file=sys.stderr)
+    if isinstance(error, UserCodeError) and os.environ.get(TRACEBACK_VARIABLE) and error.__cause__:
+        traceback.print_exception(error.__cause__, file=sys.stderr)
+    return 2
 
 
-def parse_config(argv: list[str]) -> TrainConfig:
-    """Parses the command line into a validated config, and sets up logging."""
-    app.define_help_flags()
+def parse_config(argv: list[str], usage: str, command_flags: Iterable[str] = ()) -> TrainConfig:
+    """Parses the command line into a validated config, and sets up logging.
+
+    --help shows `usage`, the main training flags and `command_flags`; --helpfull every flag.
+    """
     rest = flags.FLAGS(argv)
+    if _HELPFULL.value:
+        raise HelpShown(f"{usage.strip()}\n\n{flags.FLAGS.get_help()}")
+    if _HELP.value:
+        shown = [*tt_flags.MAIN_FLAGS, *command_flags]
+        raise HelpShown(f"{usage.strip()}\n\nMain flags (--helpfull lists all):\n"
+                        + "\n".join(_describe_flag(name) for name in shown)
+                        + "\n  --flagfile: Read flags from a file; recipes are in flags/.")
     if len(rest) > 1:
         raise UsageError(f"unexpected argument {rest[1]!r}: only --flags are accepted")
     config = tt_flags.config_from_flags()
@@ -88,23 +97,37 @@ def parse_config(argv: list[str]) -> TrainConfig:
     return config
 
 
-def prepare_devices(config: TrainConfig, announce: bool = True) -> DevicePlan:
-    """Checks the model name and that the mode fits the devices, then creates the logical
-    devices and, if `announce`, logs the plan. Writes nothing."""
-    with _native_startup_lines_hidden():
-        from tower_train import devices, modes
+def _describe_flag(name: str) -> str:
+    flag = flags.FLAGS[name]
+    default = "" if flag.default is None else f" (default: {flag.default_as_str})"
+    return f"  --{name}: {flag.help}{default}"
 
-        machine_plan = devices.plan_for_this_machine(
-            config.num_gpus, config.ps_device, config.gpu_memory_mb)
-    plan = modes.fit_plan_to_mode(config.mode, machine_plan)
-    modes.resolve_all_reduce(config.mode, config.all_reduce, plan)
-    from models import model_class
 
-    model_class(config.model, config.model_module)
-    devices.apply_device_plan(plan)
-    if announce:
-        logging.info("%s", plan.message)
-    return plan
+def main(argv: list[str] | None = None) -> int:
+    """Runs `python -m tower_train`; returns the exit status."""
+    return command(lambda: _train(sys.argv if argv is None else argv))
+
+
+def _train(argv: list[str]) -> int:
+    config = parse_config(argv, USAGE)
+    watchdog = None
+    if config.mode == "multi_worker":
+        worker = cluster.parse_tf_config(os.environ.get("TF_CONFIG"))
+        watchdog = cluster.PeerWatchdog(worker, config.collective_timeout, PROG)  # before TF loads
+    try:
+        with native_startup_lines_hidden():
+            import tensorflow as tf  # loaded and probed for GPUs here, where its lines are hidden
+
+            tf.config.list_physical_devices("GPU")
+
+            from tower_train.api import fit
+            from tower_train.stop_signals import StopSignals
+        fit(stop=StopSignals(), heartbeat=watchdog.progress if watchdog else None,
+            **{name: getattr(config, name) for name in tt_flags.TRAINING_FLAGS})
+    finally:
+        if watchdog is not None:
+            watchdog.stop()
+    return 0
 
 
 def _no_tensorflow_info(record: stdlib_logging.LogRecord) -> bool:
@@ -113,7 +136,7 @@ def _no_tensorflow_info(record: stdlib_logging.LogRecord) -> bool:
 
 
 @contextlib.contextmanager
-def _native_startup_lines_hidden() -> Iterator[None]:
+def native_startup_lines_hidden() -> Iterator[None]:
     """Hides what TF's C++ side prints while it loads and probes for GPUs.
 
     Those lines (oneDNN, CUDA probing) are written before any log level
@@ -137,12 +160,6 @@ def _native_startup_lines_hidden() -> Iterator[None]:
         finally:
             os.dup2(saved, 2)
             os.close(saved)
-
-
-def fail(error: Exception) -> int:
-    """Prints a bad-input error as one line; returns the exit status for it."""
-    print(f"{PROG}: error: {error}", file=sys.stderr)
-    return 2
 
 
 def run() -> None:

@@ -1,9 +1,9 @@
 """python -m tower_train.compare: train the single-process modes side by side, same data, same start.
 
 Run commands:
-    python -m tower_train.compare --num_gpus=4 --accum=2 --batch_size=32 --max_steps=12 --train_dir=/tmp/compare_demo
+    python -m tower_train.compare --num_gpus=4 --accum=2 --batch_size=32 --max_steps=12
     python -m tower_train.compare --modes=tower,mirrored --optimizer=sgd --learning_rate=0.1 --noplot
-    tensorboard --logdir=/tmp/compare_demo      # one run per mode, overlaid
+    tensorboard --logdir=/tmp/tower_train_compare      # one run per mode, overlaid
 
 Every mode starts from the same seed (so the same initial weights), reads its
 own copy of the same example stream and uses the same towers, so all of them
@@ -13,8 +13,10 @@ mode, then update 2, ...) so that drift of the machine cancels. A mode's figure
 is the median over the updates after the warm-up of examples/sec, +/- jitter
 (1.4826 x the median absolute deviation, as in `tower_train.benchmark`).
 
-Nothing is checkpointed: train_dir only receives one TensorBoard run per mode
-(<train_dir>/<mode>) and the plot <train_dir>/compare.png.
+Nothing is checkpointed: train_dir (by default /tmp/tower_train_compare, apart
+from training runs) only receives one TensorBoard run per mode
+(<train_dir>/<mode>) and the plot <train_dir>/compare.png. It takes the
+training flags, --model_module and --data_module among them.
 """
 from __future__ import annotations
 
@@ -30,7 +32,8 @@ import numpy as np
 from absl import flags, logging
 
 from tower_train import flags as tt_flags
-from tower_train.cli import fail, parse_config, prepare_devices
+from tower_train.api import check_data, prepare_devices
+from tower_train.cli import command, parse_config
 from tower_train.config import TrainConfig, check_train_dir
 from tower_train.errors import UsageError
 from tower_train.stats import jitter
@@ -39,6 +42,8 @@ if TYPE_CHECKING:
     from tower_train.devices import DevicePlan
 
 COMPARE_FLAGS = tt_flags.define_compare_flags()
+TRAIN_DIR = "/tmp/tower_train_compare"  # apart from training runs' /tmp/tower_train
+flags.FLAGS.set_default("train_dir", TRAIN_DIR)
 COMPARABLE_MODES = ("tower", "mirrored", "central_storage")
 REFERENCE = "tower"  # the hand-placed classic pattern the strategies are checked against
 PLOT_NAME = "compare.png"
@@ -87,28 +92,29 @@ def compare_modes(config: TrainConfig, plan: DevicePlan, modes: list[str]) -> di
     import tensorflow as tf
 
     from tower_train import data
+    from tower_train.model_spec import resolve_model
     from tower_train.modes import build_mode
     from tower_train.trainer import build_state
 
     if config.deterministic:
         tf.config.experimental.enable_op_determinism()
-    source = data.load_source(config.dataset, config.data_dir)
+    source = data.load_source(config.dataset, config.data_dir, config.augment)
+    spec = resolve_model(None, config, None, source.num_classes)
     steps, states, streams = {}, {}, {}
     for m in modes:
         mode_config = dataclasses.replace(config, mode=m, all_reduce="auto")
         mode = build_mode(mode_config, plan)
         # build_state reseeds, so every mode starts from the same weights.
-        states[m] = build_state(mode_config, mode.variable_scope(), len(source.train_labels))
+        states[m] = build_state(mode_config, spec, source, mode.variable_scope())
         steps[m] = mode.inner_step(states[m], config.accum, config.clip_norm)
-        streams[m] = iter(data.train_stream(
-            source, seed=config.seed, start_position=0,
-            micro_batch=config.batch_size * len(plan.tower_devices), augment=config.augment))
+        streams[m] = iter(source.train_stream(
+            seed=config.seed, start_position=0, micro_batch=config.batch_size * len(plan.tower_devices)))
     losses: dict[str, list[float]] = {m: [] for m in modes}
     seconds: dict[str, list[float]] = {m: [] for m in modes}
     for _ in range(config.max_steps):
         for m in modes:
             start = time.perf_counter()
-            losses[m].append(float(steps[m].run_update(streams[m])[0]))  # float() waits for the device
+            losses[m].append(steps[m].run_update(streams[m]).loss)  # reading it waits for the device
             seconds[m].append(time.perf_counter() - start)
     return {m: ModeRun(m, losses[m], seconds[m],
                        [v.numpy() for v in states[m].model.trainable_variables])
@@ -192,24 +198,21 @@ def plot(runs: dict[str, ModeRun], rows: list[Row], global_batch: int, path: str
     figure.savefig(path, dpi=100)
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv if argv is None else argv
-    try:
-        config = parse_config(argv)
-        modes = check_modes(COMPARE_FLAGS["modes"].value)
-        if config.mode != "tower":  # (TrainConfig already allows only --all_reduce=auto with tower)
-            raise UsageError(f"--mode={config.mode}: not read here; list the modes in --modes")
-        warmup = COMPARE_FLAGS["warmup_updates"].value
-        if warmup < 1:
-            raise UsageError(f"--warmup_updates={warmup}: must be >= 1: the first update traces")
-        if config.max_steps <= warmup:
-            raise UsageError(f"--max_steps={config.max_steps}: must be greater than "
-                             f"--warmup_updates={warmup}, or no update is timed")
-        check_train_dir(config.train_dir)
-        plan = prepare_devices(config)
-        runs = compare_modes(config, plan, modes)
-    except (UsageError, flags.Error) as e:
-        return fail(e)
+def _compare(argv: list[str]) -> int:
+    config = parse_config(argv, __doc__ or "", COMPARE_FLAGS)
+    modes = check_modes(COMPARE_FLAGS["modes"].value)
+    if config.mode != "tower":  # (TrainConfig already allows only --all_reduce=auto with tower)
+        raise UsageError(f"--mode={config.mode}: not read here; list the modes in --modes")
+    warmup = COMPARE_FLAGS["warmup_updates"].value
+    if warmup < 1:
+        raise UsageError(f"--warmup_updates={warmup}: must be >= 1: the first update traces")
+    if config.max_steps <= warmup:
+        raise UsageError(f"--max_steps={config.max_steps}: must be greater than "
+                         f"--warmup_updates={warmup}, or no update is timed")
+    check_train_dir(config.train_dir)
+    check_data(config, None)
+    plan = prepare_devices(config, announce=True)
+    runs = compare_modes(config, plan, modes)
     global_batch = config.global_batch
     rows = summarize(runs, global_batch, warmup)
     write_summaries(runs, config.train_dir, global_batch, warmup)
@@ -222,6 +225,11 @@ def main(argv: list[str] | None = None) -> int:
             plot(runs, rows, global_batch, path)
             print(f"plot: {path}")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs `python -m tower_train.compare`; returns the exit status."""
+    return command(lambda: _compare(sys.argv if argv is None else argv))
 
 
 if __name__ == "__main__":

@@ -1,12 +1,14 @@
-"""The explicit, frozen configuration of one training run, and its validation.
+"""The explicit, frozen options of one training run, and their validation.
 
-Every default lives here, each with the reason for it; `tower_train.flags`
-defines one absl flag per field and takes its default from this class, so a
-default is written exactly once.
+Every option is a field of `TrainConfig` with its default, the reason for that
+default (the comment) and its help text (the metadata). `tower_train.flags`
+turns every field into an absl flag and `tower_train.fit` takes every field as
+a keyword, so an option is written exactly once.
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 
 from tower_train.errors import UsageError
@@ -21,52 +23,126 @@ ALL_REDUCE_BY_MODE = {
 PS_DEVICES = ("cpu", "gpu")
 OPTIMIZERS = ("sgd", "momentum", "adam")
 NONFINITE_POLICIES = ("stop", "skip")
-DATASETS = ("synthetic", "cifar10")
 RUN_FILE = "tower_train_run.json"  # in a train_dir: what its checkpoints were trained with
 SCHEDULES = ("constant", "exponential", "cosine")  # of the learning rate; see tower_train.schedules
 SYNC_BN_MODES = ("mirrored", "multi_worker")  # the modes with a replica context to synchronize in
 PRECISIONS = ("fp32", "bf16", "fp16")  # compute dtype of the towers; variables stay float32
+MAX_SEED = 2**32 - 1  # Keras's set_random_seed takes no larger seed
+
+
+def option(default, help: str, main: bool = False):  # noqa: A002 (absl's word for it)
+    """A TrainConfig field: its default, its --help text, and whether --help lists it."""
+    return dataclasses.field(default=default, metadata={"help": help, "main": main})
 
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
     """What to train, where and how. Invalid values raise UsageError on construction."""
 
-    mode: str = "tower"  # the classic pattern this project exists for
-    all_reduce: str = "auto"  # nccl on whole GPUs; else reduction to one device, or ring across workers
-    collective_timeout: float = 120.0  # seconds a multi_worker collective may wait for a peer before failing
-    num_gpus: int = 1  # towers; 1 keeps a plain run plain, as the original's default
-    accum: int = 1  # micro-steps per update; 1 = no accumulation
-    batch_size: int = 128  # examples per tower per micro-step, as in the original
-    ps_device: str = "cpu"  # the original kept the variables on the CPU
-    gpu_memory_mb: int | None = None  # per logical GPU when GPU 0 is split; None = its memory / N
-    model: str = "cifar10_cnn"  # the original tutorial's network
-    model_module: str | None = None  # a module to import so that its @register runs before --model is looked up
-    dataset: str = "synthetic"  # embedded, so a first run needs no download
-    data_dir: str | None = None  # only --dataset=cifar10 reads files
-    max_steps: int = 30  # updates; the main job (4 towers x 8 micro-steps) then takes a few minutes on 2 CPU cores
-    train_dir: str = "/tmp/tower_train"  # as the original's /tmp/cifar10_train, but resumed, never deleted
-    seed: int = 0  # fixes the initial weights and the order of the example stream
-    optimizer: str = "adam"  # 48% held-out in the main job's 30 updates; the original's sgd at 0.1 gets 16%
-    learning_rate: float = 0.001  # Adam's usual rate; use 0.1 with --optimizer=sgd, as the original
-    augment: bool = False  # distortions slow learning on short runs; the original's are one flag away
-    log_every: int = 10  # updates between log lines, as the original
-    checkpoint_every: int = 100  # updates between checkpoints; one is also written at the end
-    eval_batch_size: int = 500  # held-out examples per evaluation batch; any size counts every example once
-    deterministic: bool = False  # op determinism costs speed; turn it on to reproduce bit for bit
-    nonfinite: str = "stop"  # a NaN usually means a bug or a bad rate: stop and keep the last good checkpoint
-    max_skipped: int = 5  # with --nonfinite=skip, a 6th bad update in a row means the run has diverged
-    lr_schedule: str = "constant"  # Adam's default needs no decay in a short run; "exponential" is the original's
-    warmup_steps: int = 0  # updates of linear warm-up; large G with --scale_lr usually wants a few hundred
-    scale_lr: bool = False  # the linear scaling rule changes the rate the user typed, so only when asked
-    clip_norm: float | None = None  # the original did not clip
-    ema_decay: float = 0.9999  # the original's MOVING_AVERAGE_DECAY; 0 keeps no average
-    eval_every: int = 0  # updates between held-out evaluations during training; 0 = only at the end
-    sync_bn: bool = False  # synchronized BatchNorm costs an all-reduce per BN layer per micro-step
-    export_dir: str | None = None  # where to write a SavedModel at the end; None = no export
-    precision: str = "fp32"  # the original's; bf16/fp16 pay off only on hardware with fast units for them
-    jit_compile: bool = False  # XLA is not faster on every model and needs towers that hold their variables
-    recompute: bool = False  # saves activation memory but costs ~25% more time per update (resnet20)
+    # The classic pattern this project exists for.
+    mode: str = option("tower", f"How gradients cross devices: {' | '.join(MODES)}.", main=True)
+    # NCCL on whole GPUs; else reduction to one device, or ring across workers.
+    all_reduce: str = option(
+        "auto", "Cross-device reduction of the strategy modes: "
+        + "; ".join(f"{m}: {' | '.join(c)}" for m, c in ALL_REDUCE_BY_MODE.items()) + ".")
+    # Seconds a multi_worker collective may wait for a peer before failing.
+    collective_timeout: float = option(
+        120.0, "multi_worker: seconds a collective waits for a peer before the worker fails.")
+    # Towers; 1 keeps a plain run plain, as the original's default.
+    num_gpus: int = option(
+        1, "Number of towers N. With fewer GPUs, GPU 0 (or, with none, the CPU) is split into "
+        "logical devices; 0 = one tower on the CPU.", main=True)
+    # Micro-steps per update; 1 = no accumulation.
+    accum: int = option(1, "Micro-steps K accumulated into one update.", main=True)
+    # Examples per tower per micro-step, as in the original.
+    batch_size: int = option(128, "Examples per tower per micro-step.", main=True)
+    # The original kept the variables on the CPU.
+    ps_device: str = option(
+        "cpu", f"Where all variables live: {' | '.join(PS_DEVICES)} (gpu = GPU 0, or the first "
+        "tower's device when there is no GPU).")
+    # None = GPU 0's memory / N.
+    gpu_memory_mb: int | None = option(
+        None, "Memory of each logical GPU when GPU 0 is split (default: its memory / num_gpus).")
+    # The original tutorial's network.
+    model: str = option("cifar10_cnn", "Registered network to train (see docs/models.md).", main=True)
+    # Imported first, so that its @register runs before --model is looked up.
+    model_module: str | None = option(
+        None, "Python module to import before looking up --model (the current directory is "
+        "searched first), so that its @tower_train.models.register runs.", main=True)
+    # Embedded, so a first run needs no download.
+    dataset: str = option(
+        "synthetic", "Registered data set: synthetic (embedded), cifar10 (binary files in "
+        "--data_dir), or one that --data_module registers.", main=True)
+    # Imported first, so that its @tower_train.data.register runs before --dataset is looked up.
+    data_module: str | None = option(
+        None, "Python module to import before looking up --dataset (the current directory is "
+        "searched first), so that its @tower_train.data.register runs.", main=True)
+    # Only --dataset=cifar10 reads files.
+    data_dir: str | None = option(
+        None, "Directory of the CIFAR-10 binary files (--dataset=cifar10 only).")
+    # Updates; the main job (4 towers x 8 micro-steps) then takes a few minutes on 2 CPU cores.
+    max_steps: int = option(30, "Train until this many updates (not micro-steps) are done.", main=True)
+    # As the original's /tmp/cifar10_train, but resumed, never deleted.
+    train_dir: str = option(
+        "/tmp/tower_train", "Checkpoints and TensorBoard logs; a run here resumes from it.", main=True)
+    # Fixes the initial weights and the order of the example stream.
+    seed: int = option(0, f"Fixes the initial weights and the example order (0..{MAX_SEED}).")
+    # 48% held-out in the main job's 30 updates; the original's sgd at 0.1 gets 16%.
+    optimizer: str = option("adam", f"{' | '.join(OPTIMIZERS)}.", main=True)
+    # Adam's usual rate; use 0.1 with --optimizer=sgd, as the original.
+    learning_rate: float = option(0.001, "Learning rate.", main=True)
+    # Distortions slow learning on short runs; the original's are one flag away.
+    augment: bool = option(
+        False, "Apply the original's training distortions (built-in image data sets only).")
+    # Updates between log lines, as the original.
+    log_every: int = option(
+        10, "Updates between progress lines and TensorBoard points (the first update is always "
+        "reported).")
+    # Updates between checkpoints; one is also written at the end.
+    checkpoint_every: int = option(100, "Updates between checkpoints.")
+    # Any size counts every held-out example once.
+    eval_batch_size: int = option(500, "Examples per batch when evaluating held-out data.")
+    # Op determinism costs speed; turn it on to reproduce bit for bit.
+    deterministic: bool = option(False, "Enable TensorFlow op determinism.")
+    # A NaN usually means a bug or a bad rate: stop and keep the last good checkpoint.
+    nonfinite: str = option(
+        "stop", "An update with a non-finite loss or gradient is never applied; then: "
+        f"{' | '.join(NONFINITE_POLICIES)} (stop the run, or skip the update and go on).")
+    # With --nonfinite=skip, a 6th bad update in a row means the run has diverged.
+    max_skipped: int = option(5, "With --nonfinite=skip: stop after this many skipped in a row.")
+    # Adam's default needs no decay in a short run; "exponential" is the original's.
+    lr_schedule: str = option(
+        "constant", f"{' | '.join(SCHEDULES)}; exponential = x0.1 every 350 epochs of G-example "
+        "updates, staircase.")
+    # Large G with --scale_lr usually wants a few hundred.
+    warmup_steps: int = option(0, "Updates of linear learning-rate warm-up.")
+    # The linear scaling rule changes the rate the user typed, so only when asked.
+    scale_lr: bool = option(False, "Linear scaling rule: learning rate x G / 256.")
+    # The original did not clip.
+    clip_norm: float | None = option(None, "Clip the update's mean gradient to this global norm.")
+    # The original's MOVING_AVERAGE_DECAY; 0 keeps no average.
+    ema_decay: float = option(
+        0.9999, "Moving average of the weights, one step per update; 0 = none.")
+    # 0 = only at the end.
+    eval_every: int = option(0, "Updates between held-out evaluations; 0 = only at the end.")
+    # Synchronized BatchNorm costs an all-reduce per BN layer per micro-step.
+    sync_bn: bool = option(
+        False, f"Synchronized BatchNormalization across replicas ({' or '.join(SYNC_BN_MODES)} only).")
+    # None = no export.
+    export_dir: str | None = option(
+        None, "At the end, write a SavedModel (raw features -> logits) here.")
+    # The original's; bf16/fp16 pay off only on hardware with fast units for them.
+    precision: str = option(
+        "fp32", f"{' | '.join(PRECISIONS)}: the towers' compute dtype (Keras mixed precision); "
+        "fp16 adds dynamic loss scaling, decided once per update.")
+    # XLA is not faster on every model and needs towers that hold their variables.
+    jit_compile: bool = option(
+        False, "Compile each tower's forward and backward pass with XLA (towers must hold their "
+        "variables: mirrored, or one tower on the parameter device).")
+    # Saves activation memory but costs ~25% more time per update (resnet20).
+    recompute: bool = option(
+        False, "Gradient checkpointing: keep only the model's block outputs and recompute each "
+        "block's activations in the backward pass (tf.recompute_grad).")
 
     def __post_init__(self) -> None:
         _one_of("mode", self.mode, MODES)
@@ -78,12 +154,11 @@ class TrainConfig:
         _one_of("ps_device", self.ps_device, PS_DEVICES)
         _one_of("optimizer", self.optimizer, OPTIMIZERS)
         _one_of("nonfinite", self.nonfinite, NONFINITE_POLICIES)
-        _one_of("dataset", self.dataset, DATASETS)
         _one_of("lr_schedule", self.lr_schedule, SCHEDULES)
         _one_of("precision", self.precision, PRECISIONS)
         _at_least("warmup_steps", self.warmup_steps, 0)
         _at_least("eval_every", self.eval_every, 0)
-        if self.clip_norm is not None and not self.clip_norm > 0:
+        if self.clip_norm is not None and not (self.clip_norm > 0 and math.isfinite(self.clip_norm)):
             raise UsageError(f"--clip_norm={self.clip_norm}: must be a number > 0 (or unset: no clipping)")
         if not 0.0 <= self.ema_decay < 1.0:
             raise UsageError(f"--ema_decay={self.ema_decay}: must be in [0, 1); 0 keeps no average")
@@ -99,8 +174,10 @@ class TrainConfig:
         if self.gpu_memory_mb is not None:
             _at_least("gpu_memory_mb", self.gpu_memory_mb, 1)
         _at_least("seed", self.seed, 0)
-        if not self.learning_rate > 0:  # also catches NaN
-            raise UsageError(f"--learning_rate={self.learning_rate}: must be a number > 0")
+        if self.seed > MAX_SEED:
+            raise UsageError(f"--seed={self.seed}: must be a whole number <= {MAX_SEED}")
+        if not (self.learning_rate > 0 and math.isfinite(self.learning_rate)):  # NaN fails both
+            raise UsageError(f"--learning_rate={self.learning_rate}: must be a finite number > 0")
         if not self.train_dir:
             raise UsageError("--train_dir is empty: it must name a directory")
 

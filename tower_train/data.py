@@ -1,375 +1,323 @@
-"""Input: the data sets, the resumable training stream and the evaluation batches.
+"""Input: what a data source is, the in-memory `ArraySource`, and the registry of named sources.
 
-Two data sets, both CIFAR-shaped (32x32x3 uint8 images, 10 classes):
+A source hands the trainer three things, each a `tf.data.Dataset` of
+``(features, labels, weights)`` batches:
 
-* ``synthetic`` (the default): generated in memory from a constant seed, never downloaded.
-* ``cifar10``: the original binary files (``data_batch_1.bin`` .. ``data_batch_5.bin``, ``test_batch.bin``).
+* the training stream: ONE infinite stream of examples whose order and
+  preprocessing are a pure function of ``(seed, stream position)``. The batch
+  size only decides how the stream is cut, so resuming at ``start_position =
+  examples consumed`` continues the very same stream, and any factoring of the
+  global batch G reads the same examples;
+* the held-out batches: every held-out example once, in order;
+* the model's input for raw features (`preprocess`), which an export serves.
 
-Training reads ONE infinite stream of examples whose order and distortions are a pure function of
-``(seed, stream position)``; the batch size only decides how the stream is cut. Resuming at
-``start_position = examples consumed`` therefore continues the very same stream.
+Features reach the model as the source holds them, unless the source has a
+`preprocess` function: ``preprocess(features, seeds, training)`` runs on a
+batch, and ``seeds`` (int64 [b, 2]) holds each example's stateless seed
+``[seed, stream position]``, so random augmentation is resumable.
+
+Labels are [n] or [n, ...] (for example one label per token) integers in
+``0 .. num_classes - 1``; weights, float32 with the labels' shape, say how much
+each label counts (0 for padding); without weights every label counts 1.
+
+Sources are registered by name for ``--dataset`` with `register`; the two
+built-in ones, ``synthetic`` and ``cifar10``, live in `tower_train.image_data`.
 """
 
 from __future__ import annotations
 
+import abc
 import dataclasses
-import functools
-import os
+from typing import Callable
 
 import numpy as np
 import tensorflow as tf
 
-from tower_train.config import DATASETS
 from tower_train.errors import UsageError
-
-IMAGE_SIZE = 24
-NUM_CLASSES = 10
-
-_RAW_SIZE = 32
-_CHANNELS = 3
-_RECORD_BYTES = 1 + _RAW_SIZE * _RAW_SIZE * _CHANNELS  # 3073: label byte + depth-major image
-_CIFAR10_TRAIN_FILES = tuple(f"data_batch_{i}.bin" for i in range(1, 6))
-_CIFAR10_EVAL_FILE = "test_batch.bin"
-_CIFAR10_FILES = _CIFAR10_TRAIN_FILES + (_CIFAR10_EVAL_FILE,)
 
 # Third word of the shuffle seed [seed, epoch, salt]: keeps these permutations apart from any other
 # user of index_shuffle seeded with the same training seed.
 _SHUFFLE_SALT = 0x5EED_0DE5
-_CROP_OFFSET = (_RAW_SIZE - IMAGE_SIZE) // 2
-_MAX_BRIGHTNESS_DELTA = 63.0  # on the 0..255 scale, as in the original
-_CONTRAST_RANGE = (0.2, 1.8)
+_HOST = "/cpu:0"  # input pipelines run on the host, as in the original
 
-# The synthetic data set is a constant: its seed has nothing to do with the training --seed.
-_SYNTHETIC_DATA_SEED = 20_240_601
-_SYNTHETIC_TRAIN = 20_000
-_SYNTHETIC_EVAL = 2_000
-_SYNTHETIC_PROTOTYPE_SIDE = 4  # low-res class pattern, upsampled: smooth, so a CNN can find it
-_SYNTHETIC_MAX_SHIFT = 2  # per-example translation of the class pattern, in pixels
-_SYNTHETIC_SIGNAL = 20.0  # class pattern amplitude (0..255 scale), times U(0.5, 1.5) per example
-_SYNTHETIC_NUISANCE = 50.0  # a per-example smooth pattern of the same kind, unrelated to the class
-_SYNTHETIC_NOISE_STD = 50.0  # per-pixel noise
-_SYNTHETIC_BRIGHTNESS = 40.0  # per-example offset, U(-b, b)
+Preprocess = Callable[[tf.Tensor, tf.Tensor, bool], tf.Tensor]
 
 
 class DataError(UsageError):
-    """A data set that cannot be used: a bad --dataset/--data_dir pair, a missing or malformed file."""
+    """A data set that cannot be used: a bad --dataset/--data_dir pair, a missing or malformed file,
+    arrays of the wrong shape."""
 
 
-@dataclasses.dataclass(frozen=True, eq=False)  # eq=False: `==` on arrays has no single truth value
-class ExampleSource:
-    """All examples of a data set, in memory, as raw uint8 images.
+class Source(abc.ABC):
+    """What the trainer needs of any data source.
 
-    train_images: uint8 [n_train, 32, 32, 3] (height, width, channel); train_labels: int32 [n_train] in 0..9;
-    eval_images: uint8 [n_eval, 32, 32, 3]; eval_labels: int32 [n_eval].
+    Attributes set by subclasses:
+      name: for messages and the run record.
+      num_classes: labels lie in 0 .. num_classes - 1.
+      feature_spec: one raw example's features (shape without the batch axis, dtype).
+      label_spec: one example's labels.
+      train_size: examples in one epoch, or None when unknown (a stream of unknown length).
+      preprocess: see the module docstring; None hands the features over as they are.
     """
 
     name: str
-    train_images: np.ndarray
-    train_labels: np.ndarray
-    eval_images: np.ndarray
-    eval_labels: np.ndarray
+    num_classes: int
+    feature_spec: tf.TensorSpec
+    label_spec: tf.TensorSpec
+    train_size: int | None
+    preprocess: Preprocess | None
 
-    def __post_init__(self) -> None:
-        # Catch a malformed source here rather than as a shape error deep inside tf.data.
-        for split, images, labels in (
-            ("train", self.train_images, self.train_labels),
-            ("eval", self.eval_images, self.eval_labels),
-        ):
-            if images.dtype != np.uint8 or images.ndim != 4 or images.shape[1:] != (_RAW_SIZE, _RAW_SIZE, _CHANNELS):
-                raise ValueError(f"{split}_images must be uint8 [n, 32, 32, 3], got {images.dtype} {images.shape}")
-            if labels.dtype != np.int32 or labels.shape != images.shape[:1]:
-                raise ValueError(f"{split}_labels must be int32 [{images.shape[0]}], got {labels.dtype} {labels.shape}")
-            if labels.size and (labels.min() < 0 or labels.max() >= NUM_CLASSES):
-                raise ValueError(f"{split}_labels must lie in 0..{NUM_CLASSES - 1}")
-        if self.train_images.shape[0] == 0:
-            raise ValueError("a source needs at least one training example")
+    @abc.abstractmethod
+    def _raw_train_batches(self, seed: int, start_position: int, batch: int) -> tf.data.Dataset:
+        """Infinite batches of `batch` consecutive stream positions from `start_position`:
+        (positions int64 [batch], features, labels, weights float32), not preprocessed."""
 
+    @abc.abstractmethod
+    def _raw_eval_batches(self, batch_size: int) -> tf.data.Dataset:
+        """Every held-out example once, in order: (indices int64 [<=b], features, labels, weights)."""
 
-# --------------------------------------------------------------------------------------------------
-# Checking and loading
+    def train_stream(self, *, seed: int, start_position: int, micro_batch: int,
+                     shard_index: int = 0, num_shards: int = 1) -> tf.data.Dataset:
+        """Infinite dataset of (features, labels, weights), `micro_batch` examples each.
 
+        Batch b holds stream positions start_position + b * micro_batch ... + micro_batch - 1,
+        in order. With num_shards > 1 (one shard per worker), the stream is cut into batches
+        of micro_batch x num_shards and this shard gets slice shard_index of each: together
+        the shards read exactly the examples one process would read with the whole batch.
+        """
+        if not 0 <= shard_index < num_shards:
+            raise ValueError(f"shard_index must be in 0..{num_shards - 1}, got {shard_index}")
+        if micro_batch < 1:
+            raise ValueError(f"micro_batch must be >= 1, got {micro_batch}")
+        if start_position < 0:
+            raise ValueError(f"start_position must be >= 0, got {start_position}")
+        if not -(2**63) <= seed < 2**63:
+            raise ValueError(f"seed must fit in int64, got {seed}")
+        mine = slice(shard_index * micro_batch, (shard_index + 1) * micro_batch)
 
-def check_data_dir(dataset: str, data_dir: str | None) -> None:
-    """Cheap start-up check of the --dataset/--data_dir pair; reads no file contents.
+        def shard(positions, features, labels, weights):
+            positions = positions[mine]
+            seeds = tf.stack([tf.fill(tf.shape(positions), tf.constant(seed, tf.int64)), positions], -1)
+            return self.model_input(features[mine], seeds, training=True), labels[mine], weights[mine]
 
-    For 'cifar10', data_dir must be a directory holding data_batch_1.bin..data_batch_5.bin and test_batch.bin,
-    each readable and a positive whole number of 3073-byte records. For 'synthetic', data_dir must be None.
-    Raises DataError with a one-line message naming the culprit and what is expected.
-    """
-    if dataset not in DATASETS:
-        raise DataError(f"unknown dataset {dataset!r}: expected one of {', '.join(DATASETS)}")
-    if dataset == "synthetic":
-        if data_dir is not None:
-            raise DataError(
-                f"--data_dir={data_dir!r} given with --dataset=synthetic: "
-                "--data_dir is only read with --dataset=cifar10"
-            )
-        return
-    if data_dir is None:
-        raise DataError(
-            "--dataset=cifar10 needs --data_dir: a directory holding the CIFAR-10 binary version "
-            "(data_batch_1.bin..data_batch_5.bin, test_batch.bin)"
-        )
-    expected = "expected a directory holding the CIFAR-10 .bin files"
-    if not os.path.exists(data_dir):
-        raise DataError(f"--data_dir {data_dir!r} does not exist: {expected}")
-    if not os.path.isdir(data_dir):
-        raise DataError(f"--data_dir {data_dir!r} is not a directory: {expected}")
-    for name in _CIFAR10_FILES:
-        _check_record_file(os.path.join(data_dir, name))
+        with tf.device(_HOST):
+            dataset = self._raw_train_batches(seed, start_position, micro_batch * num_shards)
+            dataset = dataset.map(shard, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+            return dataset.prefetch(tf.data.AUTOTUNE)
 
+    def eval_batches(self, batch_size: int) -> tf.data.Dataset:
+        """Every held-out example once, in order, preprocessed for evaluation:
+        (features, labels, weights) of at most batch_size examples (the last may be partial)."""
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
 
-def _check_record_file(path: str) -> None:
-    if not os.path.exists(path):
-        raise DataError(
-            f"{path!r} is missing: --data_dir must hold data_batch_1.bin..data_batch_5.bin and test_batch.bin "
-            "(the CIFAR-10 binary version)"
-        )
-    if not os.path.isfile(path):
-        raise DataError(f"{path!r} is not a regular file: expected CIFAR-10 records of {_RECORD_BYTES} bytes")
-    _check_record_bytes(path, os.path.getsize(path))
-    try:
-        # Opening is the real readability test: os.access says yes to root whatever the mode.
-        with open(path, "rb"):
-            pass
-    except OSError as e:
-        raise DataError(f"cannot read {path!r}: {e.strerror or e}") from e
+        def prepare(indices, features, labels, weights):
+            seeds = tf.stack([tf.zeros_like(indices), indices], -1)
+            return self.model_input(features, seeds, training=False), labels, weights
 
+        with tf.device(_HOST):
+            dataset = self._raw_eval_batches(batch_size)
+            dataset = dataset.map(prepare, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+            return dataset.prefetch(tf.data.AUTOTUNE)
 
-def _check_record_bytes(path: str, size: int) -> None:
-    if size == 0:
-        raise DataError(f"{path!r} is empty: expected a positive whole number of {_RECORD_BYTES}-byte CIFAR-10 records")
-    if size % _RECORD_BYTES:
-        raise DataError(
-            f"{path!r} has {size} bytes, not a whole number of {_RECORD_BYTES}-byte CIFAR-10 records "
-            "(1 label byte + 3072 image bytes)"
-        )
+    def model_input(self, features: tf.Tensor, seeds: tf.Tensor, training: bool) -> tf.Tensor:
+        """A batch of raw features as the model takes it."""
+        if self.preprocess is None:
+            return features
+        return self.preprocess(features, seeds, training)
+
+    def example_input(self) -> tf.Tensor:
+        """One all-zero example as the model takes it, [1, ...]: builds a model's variables."""
+        zeros = tf.zeros([1, *self.feature_spec.shape], self.feature_spec.dtype)
+        return self.model_input(zeros, tf.zeros([1, 2], tf.int64), training=False)
 
 
-def load_source(dataset: str, data_dir: str | None) -> ExampleSource:
-    """Check the --dataset/--data_dir pair (check_data_dir), then load every example into memory.
-
-    'synthetic' is generated once per process and cached; 'cifar10' is read from the binary files
-    (never unpickled). Raises DataError for anything unusable, e.g. a label byte > 9.
-    """
-    check_data_dir(dataset, data_dir)
-    if dataset == "synthetic":
-        return _synthetic_source()
-    assert data_dir is not None  # check_data_dir guarantees it; narrows the type
-    parts = [_read_records(os.path.join(data_dir, name)) for name in _CIFAR10_TRAIN_FILES]
-    eval_images, eval_labels = _read_records(os.path.join(data_dir, _CIFAR10_EVAL_FILE))
-    return ExampleSource(
-        name="cifar10",
-        train_images=np.concatenate([images for images, _ in parts]),
-        train_labels=np.concatenate([labels for _, labels in parts]),
-        eval_images=eval_images,
-        eval_labels=eval_labels,
-    )
-
-
-def _read_records(path: str) -> tuple[np.ndarray, np.ndarray]:
-    """One CIFAR-10 binary file -> (uint8 [n, 32, 32, 3], int32 [n])."""
-    try:
-        raw = np.fromfile(path, dtype=np.uint8)
-    except OSError as e:
-        raise DataError(f"cannot read {path!r}: {e.strerror or e}") from e
-    _check_record_bytes(path, raw.size)  # the file may have changed since check_data_dir
-    records = raw.reshape(-1, _RECORD_BYTES)
-    labels = records[:, 0]
-    bad = np.flatnonzero(labels >= NUM_CLASSES)
-    if bad.size:
-        raise DataError(
-            f"{path!r}: record {bad[0]} has label byte {labels[bad[0]]}, CIFAR-10 labels are 0..{NUM_CLASSES - 1} "
-            "(is this the binary version of CIFAR-10?)"
-        )
-    # Records store the image depth-major [3][32][32]; the model wants [32][32][3].
-    images = records[:, 1:].reshape(-1, _CHANNELS, _RAW_SIZE, _RAW_SIZE).transpose(0, 2, 3, 1)
-    return np.ascontiguousarray(images), labels.astype(np.int32)
-
-
-# --------------------------------------------------------------------------------------------------
-# The synthetic data set
-
-
-def _bilinear_upsample_matrix(low: int, high: int) -> np.ndarray:
-    """float32 [high, low]: row y holds the bilinear weights of the low-res samples for output pixel y."""
-    centres = np.clip((np.arange(high) + 0.5) * low / high - 0.5, 0, low - 1)
-    left = np.floor(centres).astype(np.int64)
-    right = np.minimum(left + 1, low - 1)
-    frac = (centres - left).astype(np.float32)
-    weights = np.zeros((high, low), np.float32)
-    np.add.at(weights, (np.arange(high), left), 1 - frac)
-    np.add.at(weights, (np.arange(high), right), frac)
-    return weights
-
-
-@functools.cache
-def _synthetic_source() -> ExampleSource:
-    """The embedded data set: generated once per process (well under a second), arrays read-only.
-
-    Each example: 128 + brightness offset + amp * (its class's smooth colour pattern, shifted by up to 2 px)
-    + a smooth nuisance pattern of its own + per-pixel noise, clipped to 0..255. The nuisance lives in the same
-    low-frequency space as the class signal, so no classifier can be perfect, but the class is learnable.
-    """
-    rng = np.random.default_rng(_SYNTHETIC_DATA_SEED)
-    n = _SYNTHETIC_TRAIN + _SYNTHETIC_EVAL
-    low, shift = _SYNTHETIC_PROTOTYPE_SIDE, _SYNTHETIC_MAX_SHIFT
-
-    # Every (class, shift) variant of the pattern is precomputed so each example is one cheap row copy.
-    up_wide = _bilinear_upsample_matrix(low, _RAW_SIZE + 2 * shift)
-    prototypes = np.einsum("yi,cijk,xj->cyxk", up_wide, rng.uniform(-1, 1, (NUM_CLASSES, low, low, _CHANNELS)), up_wide)
-    n_shifts = (2 * shift + 1) ** 2
-    variants = np.stack(
-        [
-            prototypes[:, dy : dy + _RAW_SIZE, dx : dx + _RAW_SIZE]
-            for dy in range(2 * shift + 1)
-            for dx in range(2 * shift + 1)
-        ],
-        axis=1,
-    ).reshape(NUM_CLASSES * n_shifts, _RAW_SIZE, _RAW_SIZE, _CHANNELS)
-    variants = (_SYNTHETIC_SIGNAL * variants).astype(np.float32)
-
-    # Each split exactly balanced.
-    labels = np.concatenate(
-        [rng.permutation(np.arange(size) % NUM_CLASSES) for size in (_SYNTHETIC_TRAIN, _SYNTHETIC_EVAL)]
-    ).astype(np.int32)
-    variant = labels * n_shifts + rng.integers(0, n_shifts, n)
-    amplitude = rng.uniform(0.5, 1.5, (n, 1, 1, 1)).astype(np.float32)
-    offset = (128 + rng.uniform(-_SYNTHETIC_BRIGHTNESS, _SYNTHETIC_BRIGHTNESS, (n, 1, 1, 1))).astype(np.float32)
-    nuisance_low = rng.uniform(-_SYNTHETIC_NUISANCE, _SYNTHETIC_NUISANCE, (n, low, low, _CHANNELS)).astype(np.float32)
-    up = _bilinear_upsample_matrix(low, _RAW_SIZE)
-    # Uniform noise with the wanted std: 3x cheaper to draw than Gaussian, and this set must be quick to make.
-    noise_scale = np.float32(_SYNTHETIC_NOISE_STD * np.sqrt(12.0) / 256.0)
-
-    images = np.empty((n, _RAW_SIZE, _RAW_SIZE, _CHANNELS), np.uint8)
-    chunk = 1000  # float32 work in cache-sized pieces rather than one 270 MB array
-    for start in range(0, n, chunk):
-        part = slice(start, min(n, start + chunk))
-        x = variants[variant[part]]
-        x *= amplitude[part]
-        x += offset[part]
-        x += np.einsum("yi,nijk,xj->nyxk", up, nuisance_low[part], up, optimize=True)
-        noise = rng.integers(0, 256, x.shape, dtype=np.uint8).astype(np.float32)
-        noise -= 127.5
-        noise *= noise_scale
-        x += noise
-        np.clip(x, 0, 255, out=x)
-        images[part] = np.rint(x)
-
-    split = _SYNTHETIC_TRAIN
-    arrays = (images[:split], labels[:split], images[split:], labels[split:])
-    for array in arrays:
-        array.flags.writeable = False  # shared by every caller in the process
-    return ExampleSource("synthetic", *arrays)
-
-
-# --------------------------------------------------------------------------------------------------
-# Pipelines
-
-
-def _example_indices(positions: tf.Tensor, seed: int, n: int) -> tf.Tensor:
-    """int64 positions (any shape [] or [b]) -> example index: a fresh stateless permutation per epoch."""
+def _stream_indices(positions: tf.Tensor, seed: int, n: int, shuffle: bool) -> tf.Tensor:
+    """int64 stream positions -> example index: a fresh stateless permutation per epoch, or
+    position mod n without shuffling."""
+    if not shuffle:
+        return positions % n
     epoch = positions // n
     words = [tf.constant(seed, tf.int64), epoch, tf.constant(_SHUFFLE_SALT, tf.int64)]
     seeds = tf.stack([tf.broadcast_to(word, tf.shape(positions)) for word in words], axis=-1)
     # The raw op behind tf.random.experimental.index_shuffle: the wrapper only accepts 2-word seeds, and in
     # TF 2.21 it pads a batch of seeds along the wrong axis, so per-position seeds fail through it.
     return tf.raw_ops.RandomIndexShuffle(
-        index=positions % n, seed=seeds, max_index=tf.constant(n - 1, tf.int64), rounds=4
-    )
+        index=positions % n, seed=seeds, max_index=tf.constant(n - 1, tf.int64), rounds=4)
 
 
-def _center_standardize(images: tf.Tensor) -> tf.Tensor:
-    """uint8 [b, 32, 32, 3] -> float32 [b, 24, 24, 3]: central crop, per-image standardization."""
-    crop = images[:, _CROP_OFFSET : _CROP_OFFSET + IMAGE_SIZE, _CROP_OFFSET : _CROP_OFFSET + IMAGE_SIZE, :]
-    return tf.image.per_image_standardization(tf.cast(crop, tf.float32))
+class ArraySource(Source):
+    """Examples held in numpy arrays, axis 0 = examples; any shape and dtype per example.
 
+    Args:
+      train_features, train_labels: the training examples; labels integer [n] or [n, ...].
+      train_weights: float, the labels' shape, or None (every label counts 1).
+      eval_features, eval_labels, eval_weights: the held-out examples, the same way; None
+        for no held-out set (evaluation then counts no example).
+      shuffle: True: every epoch is a fresh permutation fixed by the seed; False: stream
+        position p is example p mod n.
+      preprocess: see the module docstring; None: the model gets the arrays as they are.
+      num_classes: labels lie in 0 .. num_classes - 1; default: one more than the largest label.
+      name: for messages and the run record.
 
-# Public: the evaluation preprocessing, which an exported SavedModel applies too (tower_train.export).
-center_standardize = _center_standardize
+    The checked arrays are kept as the attributes of the same names (labels as int32,
+    weights as float32, ones where none were given).
 
-
-def _distort(image: tf.Tensor, seed: tf.Tensor) -> tf.Tensor:
-    """uint8 [32, 32, 3] -> float32 [24, 24, 3]: the original's training distortions, fixed by `seed` (int64 [2])."""
-    crop_seed, flip_seed, brightness_seed, contrast_seed = tf.unstack(tf.random.split(seed, 4))
-    x = tf.image.stateless_random_crop(image, [IMAGE_SIZE, IMAGE_SIZE, _CHANNELS], seed=crop_seed)
-    x = tf.image.stateless_random_flip_left_right(x, seed=flip_seed)
-    # As in the original: on the 0..255 scale and unclipped, so the standardization below removes the
-    # brightness shift again (up to rounding); kept for fidelity, crop/flip/contrast do the distorting.
-    x = tf.cast(x, tf.float32)
-    x = tf.image.stateless_random_brightness(x, _MAX_BRIGHTNESS_DELTA, seed=brightness_seed)
-    x = tf.image.stateless_random_contrast(x, *_CONTRAST_RANGE, seed=contrast_seed)
-    return tf.image.per_image_standardization(x)
-
-
-def train_stream(
-    source: ExampleSource, *, seed: int, start_position: int, micro_batch: int, augment: bool,
-    shard_index: int = 0, num_shards: int = 1,
-) -> tf.data.Dataset:
-    """Infinite dataset of (images float32 [micro_batch, 24, 24, 3], labels int32 [micro_batch]).
-
-    Stream position p (0, 1, 2, ...) holds training example
-    RandomIndexShuffle(p % n, seed=[seed, p // n, salt], max_index=n - 1): a fresh permutation every epoch.
-    Batch b holds positions start_position + b * micro_batch ... + micro_batch - 1, in order, so the stream
-    does not depend on micro_batch and resuming at start_position = examples consumed continues it exactly.
-    With augment, the distortions of position p are drawn from the stateless seed [seed, p].
-
-    With num_shards > 1 (one shard per worker), the stream is cut into batches of
-    micro_batch x num_shards and this shard gets slice shard_index of each: together the
-    shards read exactly the examples one process would read with the whole batch.
+    Raises:
+      DataError: arrays that do not fit together, in one line naming them.
     """
-    if not 0 <= shard_index < num_shards:
-        raise ValueError(f"shard_index must be in 0..{num_shards - 1}, got {shard_index}")
-    if micro_batch < 1:
-        raise ValueError(f"micro_batch must be >= 1, got {micro_batch}")
-    if start_position < 0:
-        raise ValueError(f"start_position must be >= 0, got {start_position}")
-    if not -(2**63) <= seed < 2**63:
-        raise ValueError(f"seed must fit in int64, got {seed}")
-    n = source.train_images.shape[0]
-    with tf.device("/cpu:0"):
-        images = tf.constant(source.train_images)
-        labels = tf.constant(source.train_labels)
 
-        def batch(positions: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
-            positions = positions[shard_index * micro_batch:(shard_index + 1) * micro_batch]
-            indices = _example_indices(positions, seed, n)
-            raw = tf.gather(images, indices)
-            if augment:
-                # Stateless tf.image ops take one seed per call, so distortions are drawn image by image; a
-                # map_fn inside the batch costs about 30% less CPU than a per-example dataset map.
-                seeds = tf.stack([tf.fill(tf.shape(positions), tf.constant(seed, tf.int64)), positions], axis=-1)
-                x = tf.map_fn(
-                    lambda image_seed: _distort(*image_seed),
-                    (raw, seeds),
-                    fn_output_signature=tf.float32,
-                    parallel_iterations=32,
-                )
-            else:
-                x = _center_standardize(raw)
-            return x, tf.gather(labels, indices)
+    def __init__(self, train_features: np.ndarray, train_labels: np.ndarray,
+                 train_weights: np.ndarray | None = None, eval_features: np.ndarray | None = None,
+                 eval_labels: np.ndarray | None = None, eval_weights: np.ndarray | None = None,
+                 shuffle: bool = True, preprocess: Preprocess | None = None,
+                 num_classes: int | None = None, name: str = "arrays"):
+        self.name = name
+        self.shuffle = shuffle
+        self.preprocess = preprocess
+        train = _split_arrays("train", train_features, train_labels, train_weights)
+        if train[0].shape[0] == 0:
+            raise DataError(f"{name}: train_features holds no example; a source needs at least one")
+        if (eval_features is None) != (eval_labels is None):
+            raise DataError(f"{name}: give eval_features and eval_labels together, or neither")
+        held_out = (tuple(a[:0] for a in train) if eval_features is None
+                    else _split_arrays("eval", eval_features, eval_labels, eval_weights))
+        self.train_features, self.train_labels, self.train_weights = train
+        self.eval_features, self.eval_labels, self.eval_weights = held_out
+        for what, train, held_out in (("features", self.train_features, self.eval_features),
+                                      ("labels", self.train_labels, self.eval_labels)):
+            if train.shape[1:] != held_out.shape[1:] or train.dtype != held_out.dtype:
+                raise DataError(f"{name}: eval_{what} are {held_out.dtype} {list(held_out.shape)}, "
+                                f"train_{what} {train.dtype} {list(train.shape)}: each example "
+                                "must have the same shape and dtype")
+        largest = max(int(labels.max()) if labels.size else -1
+                      for labels in (self.train_labels, self.eval_labels))
+        self.num_classes = largest + 1 if num_classes is None else num_classes
+        if self.num_classes < 1 or largest >= self.num_classes:
+            raise DataError(f"{name}: num_classes={self.num_classes} but the largest label is "
+                            f"{largest}; labels must lie in 0..num_classes - 1")
+        self.feature_spec = tf.TensorSpec(self.train_features.shape[1:],
+                                          tf.as_dtype(self.train_features.dtype))
+        self.label_spec = tf.TensorSpec(self.train_labels.shape[1:], tf.int32)
+        self.train_size = int(self.train_features.shape[0])
+
+    def _raw_train_batches(self, seed: int, start_position: int, batch: int) -> tf.data.Dataset:
+        features, labels, weights = _constants(self.train_features, self.train_labels, self.train_weights)
+
+        def gather(positions):
+            indices = _stream_indices(positions, seed, self.train_size, self.shuffle)
+            return (positions, tf.gather(features, indices), tf.gather(labels, indices),
+                    tf.gather(weights, indices))
 
         # drop_remainder on an infinite stream only makes the static batch dimension known.
         dataset = tf.data.Dataset.counter(start=start_position, dtype=tf.int64)
-        dataset = dataset.batch(micro_batch * num_shards, drop_remainder=True)
-        dataset = dataset.map(batch, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
-        return dataset.prefetch(tf.data.AUTOTUNE)
+        return dataset.batch(batch, drop_remainder=True).map(
+            gather, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+
+    def _raw_eval_batches(self, batch_size: int) -> tf.data.Dataset:
+        features, labels, weights = _constants(self.eval_features, self.eval_labels, self.eval_weights)
+
+        def gather(indices):
+            return (indices, tf.gather(features, indices), tf.gather(labels, indices),
+                    tf.gather(weights, indices))
+
+        return tf.data.Dataset.range(len(self.eval_labels)).batch(batch_size).map(
+            gather, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
 
 
-def eval_batches(source: ExampleSource, batch_size: int) -> tf.data.Dataset:
-    """Every eval example once, in order: (images float32 [<=batch_size, 24, 24, 3], labels int32 [<=batch_size]).
+def _split_arrays(split: str, features, labels, weights) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Checks one split's arrays; returns (features, labels int, weights float32, ones if None)."""
+    features, labels = np.asarray(features), np.asarray(labels)
+    if features.ndim < 1 or labels.ndim < 1 or features.shape[0] != labels.shape[0]:
+        raise DataError(f"{split}_features {list(features.shape)} and {split}_labels "
+                        f"{list(labels.shape)}: axis 0 counts the examples and must agree")
+    if not np.issubdtype(labels.dtype, np.integer):
+        raise DataError(f"{split}_labels are {labels.dtype}: class labels must be integers")
+    if labels.size and labels.min() < 0:
+        raise DataError(f"{split}_labels hold {labels.min()}: labels must be >= 0")
+    if weights is None:
+        weights = np.ones(labels.shape, np.float32)
+    weights = np.asarray(weights)
+    if weights.shape != labels.shape:
+        raise DataError(f"{split}_weights {list(weights.shape)}: must have the labels' shape "
+                        f"{list(labels.shape)}")
+    if not np.issubdtype(weights.dtype, np.number) or not np.all(np.isfinite(weights)) or (
+            weights.size and weights.min() < 0):
+        raise DataError(f"{split}_weights: must be finite numbers >= 0")
+    return features, labels.astype(np.int32, copy=False), weights.astype(np.float32, copy=False)
 
-    Central crop + per-image standardization; the last batch may be partial.
+
+def _constants(*arrays: np.ndarray) -> tuple[tf.Tensor, ...]:
+    with tf.device(_HOST):
+        return tuple(tf.constant(a) for a in arrays)
+
+
+# --------------------------------------------------------------------------------------------------
+# The registry of named sources (--dataset)
+
+_SOURCES: dict[str, Callable[[], Source]] = {}
+
+
+def register(name: str) -> Callable[[Callable[[], Source]], Callable[[], Source]]:
+    """Decorator: makes a zero-argument function that returns a Source usable as `--dataset=name`.
+
+    The function runs when a run asks for the data set, not at import.
     """
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    with tf.device("/cpu:0"):
-        images = tf.constant(source.eval_images)
-        labels = tf.constant(source.eval_labels)
+    def add(factory: Callable[[], Source]) -> Callable[[], Source]:
+        if name in _SOURCES and _SOURCES[name] is not factory:
+            raise ValueError(f"data set name {name!r} is already registered to {_SOURCES[name]!r}")
+        _SOURCES[name] = factory
+        return factory
+    return add
 
-        def batch(indices: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
-            return _center_standardize(tf.gather(images, indices)), tf.gather(labels, indices)
 
-        dataset = tf.data.Dataset.range(source.eval_images.shape[0]).batch(batch_size)
-        dataset = dataset.map(batch, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
-        return dataset.prefetch(tf.data.AUTOTUNE)
+def dataset_names() -> tuple[str, ...]:
+    from tower_train import image_data
+
+    return tuple(sorted({*image_data.BUILT_IN, *_SOURCES}))
+
+
+def check_dataset(name: str, data_dir: str | None, augment: bool) -> None:
+    """Cheap start-up check of --dataset with --data_dir and --augment; reads no file contents."""
+    from tower_train import image_data
+
+    if name in image_data.BUILT_IN:
+        image_data.check_data_dir(name, data_dir)
+        return
+    if name not in _SOURCES:
+        raise DataError(f"--dataset={name}: unknown; registered: {', '.join(dataset_names())} "
+                        "(a module of yours registers more: --data_module=MODULE)")
+    for flag, given in (("--data_dir", data_dir is not None), ("--augment", augment)):
+        if given:
+            raise DataError(f"{flag}: only for the built-in image data sets (synthetic, cifar10); "
+                            f"--dataset={name} reads and preprocesses its own data")
+
+
+def load_source(name: str, data_dir: str | None = None, augment: bool = False) -> Source:
+    """The source registered as `name` (check_dataset first).
+
+    Raises:
+      DataError: anything unusable, in one line; a user's function that fails or returns
+        something else is named with its error.
+    """
+    check_dataset(name, data_dir, augment)
+    from tower_train import image_data
+
+    if name in image_data.BUILT_IN:
+        return image_data.load(name, data_dir, augment)
+    factory = _SOURCES[name]
+    source = _call_user_factory(factory, name)
+    if not isinstance(source, Source):
+        raise DataError(f"--dataset={name}: {_qualified(factory)} returned {type(source).__name__}, "
+                        "not a tower_train.ArraySource or another tower_train.data.Source")
+    return source
+
+
+def _call_user_factory(factory: Callable[[], Source], name: str) -> Source:
+    from tower_train.user_code import call_user_code
+
+    return call_user_code(factory, f"--dataset={name}")
+
+
+def _qualified(function: Callable) -> str:
+    return f"{getattr(function, '__module__', '?')}.{getattr(function, '__qualname__', function)}"

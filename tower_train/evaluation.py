@@ -1,15 +1,20 @@
 """Held-out evaluation, shared by training's last line and `python -m tower_train.eval`.
 
-Precision @ 1 counts every held-out example exactly once, whatever the eval batch
-size and the number of towers N:
+Precision @ 1 is weighted top-1 over the labels' last axis: the sum of the
+weights of the labels whose logits' argmax is right, over the sum of all
+weights. For one label per example and no weights that is the fraction of
+examples classified right; for a sequence model, the fraction of (real, weight
+1) tokens. It counts every held-out example exactly once, whatever the eval
+batch size and the number of towers N:
 
-* `data.eval_batches` reads the examples once, in order; the last batch may be
+* `Source.eval_batches` reads the examples once, in order; the last batch may be
   partial.
 * Each batch of b examples is cut into N contiguous shards: shard i holds
   positions floor(i * b / N) .. floor((i + 1) * b / N) - 1. The shards cover the
   batch without overlap, and their sizes differ by at most one (a shard is empty
   when b < N).
-* Shard i's correct-count is computed on tower device i; the N counts are summed.
+* Shard i's weighted correct-count and weight sum are computed on tower device i;
+  the N of each are summed.
 """
 from __future__ import annotations
 
@@ -17,7 +22,7 @@ from typing import Callable, Sequence
 
 import tensorflow as tf
 
-from tower_train import data
+from tower_train.data import Source
 
 
 def shard_bounds(batch: int, num_shards: int) -> list[tuple[int, int]]:
@@ -31,12 +36,14 @@ def shard_bounds(batch: int, num_shards: int) -> list[tuple[int, int]]:
     return list(zip(cuts[:-1], cuts[1:]))
 
 
-def correct_counter(model, devices: Sequence[str]) -> Callable[[tf.Tensor, tf.Tensor], tf.Tensor]:
-    """A compiled (images, labels) -> int64 number of correct top-1 predictions.
+def correct_counter(model, devices: Sequence[str]
+                    ) -> Callable[[tf.Tensor, tf.Tensor, tf.Tensor], tf.Tensor]:
+    """A compiled (features, labels, weights) -> float64 [2]: the weight of the correct top-1
+    predictions and the weight of all.
 
-    images float32 [b, 24, 24, 3], labels int32 [b], any b >= 0. The batch is split
-    into len(devices) shards (`shard_bounds`); shard i's predictions and count are
-    computed on devices[i].
+    features [b, ...] as the model takes them, labels int [b, ...], weights float32 of the
+    labels' shape, any b >= 0. The batch is split into len(devices) shards (`shard_bounds`);
+    shard i's predictions and sums are computed on devices[i].
     """
     devices = tuple(devices)
     if not devices:
@@ -45,46 +52,50 @@ def correct_counter(model, devices: Sequence[str]) -> Callable[[tf.Tensor, tf.Te
     # autograph=False: the loop over devices is unrolled at trace time, there is no
     # tensor-dependent Python control flow to convert.
     @tf.function(reduce_retracing=True, autograph=False)
-    def count_correct(images: tf.Tensor, labels: tf.Tensor) -> tf.Tensor:
+    def count_correct(features: tf.Tensor, labels: tf.Tensor, weights: tf.Tensor) -> tf.Tensor:
         batch = tf.shape(labels, out_type=tf.int64)[0]
         counts = []
         for i, device in enumerate(devices):
             start = i * batch // len(devices)
             end = (i + 1) * batch // len(devices)
             # Sliced where the batch is (the host), so each tower receives only its shard.
-            shard_images, shard_labels = images[start:end], labels[start:end]
+            shard = (features[start:end], labels[start:end], weights[start:end])
             with tf.device(device):
                 # An empty shard is not run: some kernels (oneDNN convolutions) refuse a 0-example batch.
                 counts.append(tf.cond(
                     end > start,
-                    lambda x=shard_images, y=shard_labels, d=device: _count_on(model, x, y, d),
-                    lambda: tf.constant(0, tf.int64)))
+                    lambda shard=shard, d=device: _count_on(model, *shard, d),
+                    lambda: tf.zeros([2], tf.float64)))
         return tf.add_n(counts)
 
     return count_correct
 
 
-def _count_on(model, images: tf.Tensor, labels: tf.Tensor, device: str) -> tf.Tensor:
+def _count_on(model, features: tf.Tensor, labels: tf.Tensor, weights: tf.Tensor,
+              device: str) -> tf.Tensor:
     with tf.device(device):  # again inside the branch: its ops live in their own function graph
-        predictions = tf.argmax(model(images, training=False), axis=-1, output_type=tf.int32)
-        return tf.reduce_sum(tf.cast(tf.equal(predictions, labels), tf.int64))
+        predictions = tf.argmax(model(features, training=False), axis=-1, output_type=labels.dtype)
+        weights = tf.cast(weights, tf.float64)
+        correct = tf.reduce_sum(tf.where(tf.equal(predictions, labels), weights, tf.zeros_like(weights)))
+        return tf.stack([correct, tf.reduce_sum(weights)])
 
 
-def evaluate(model, source: data.ExampleSource, batch_size: int,
-             devices: Sequence[str]) -> tuple[float, int]:
-    """Precision @ 1 over every held-out example of `source` exactly once, and how many there were.
+def evaluate(model, source: Source, batch_size: int,
+             devices: Sequence[str]) -> tuple[float | None, int]:
+    """Weighted precision @ 1 over every held-out example of `source` exactly once, and how many
+    examples there were; None for the precision when no held-out label has any weight.
 
     Each batch of `batch_size` (the last one may be smaller) is spread over the
     tower `devices`, one shard each; see the module docstring.
     """
     count_correct = correct_counter(model, devices)
-    correct = total = 0
-    for images, labels in data.eval_batches(source, batch_size):
-        correct += int(count_correct(images, labels))
-        total += int(labels.shape[0])
-    if total == 0:
-        raise ValueError(f"the {source.name} data set has no held-out examples")
-    return correct / total, total
+    correct = weight = 0.0
+    examples = 0
+    for features, labels, weights in source.eval_batches(batch_size):
+        batch_correct, batch_weight = count_correct(features, labels, weights).numpy()
+        correct, weight = correct + batch_correct, weight + batch_weight
+        examples += int(labels.shape[0])
+    return (correct / weight if weight > 0 else None), examples
 
 
 def use_moving_average(model, moving_average) -> None:

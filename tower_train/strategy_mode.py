@@ -8,23 +8,24 @@ below). As in tower mode, an update of K micro-steps is K - 1 calls of
 
 - `accumulate`: every replica adds its gradients to accumulators that are
   local to it (`synchronization=ON_READ`), so no all-reduce runs.
-- `finish`: every replica adds its last micro-step to its accumulators and
-  counts the non-finite values in them and in its loss; only these two
-  scalars are summed across replicas.
-- then, from Python, `apply` if every replica was finite, else `discard`.
-  `apply`: every replica scales its local sum by 1 / (N x K), N being the
-  replicas of all workers, and one all-reduce per update sums them: the mean
-  over the N x K shards, exactly the gradient tower mode applies. The same
-  all-reduce averages the replicas' BatchNorm moving statistics. Each replica
-  clips its (identical) copy, and the `UpdateRule` applies it in
-  cross-replica context, never inside a `tf.cond` (keras#20582), where Keras
-  does not reduce it again. `discard` clears the accumulators and puts the
-  BatchNorm statistics back: no weight, slot, counter or statistic moves, on
-  any replica.
+- `finish`: every replica adds its last micro-step to its accumulators; then
+  three scalars are summed across replicas (and workers): sum(w * loss),
+  sum(w) = W, and the count of non-finite values.
+- then, from Python, `apply(W)` if W > 0 and every replica was finite, else
+  `discard`. `apply`: every replica scales its local gradient sum by c / W
+  (c = labels per shard; `towers` has the math), and one all-reduce per update
+  sums them: the gradient of the update's weighted mean loss, exactly what
+  tower mode applies. The same all-reduce averages the replicas' BatchNorm
+  moving statistics. Each replica adds the regularization's gradient and clips
+  its (identical) copy, and the `UpdateRule` applies it in cross-replica
+  context, never inside a `tf.cond` (keras#20582), where Keras does not reduce
+  it again. `discard` clears the accumulators and puts the BatchNorm
+  statistics back: no weight, slot, counter or statistic moves, on any replica.
 
-The loss scaling is written once, here: scale = 1 / (N x K) on a per-shard
-mean, which equals `tf.nn.compute_average_loss` with the global batch G
-(divided, in float16, by the dynamic loss scale the sums were multiplied by).
+The weight total W travels in `finish`'s scalar sum, so no collective is added
+per micro-step and none for the weights: with unit weights c / W = 1 / (N x K),
+which equals `tf.nn.compute_average_loss` with the global batch G (divided, in
+float16, by the dynamic loss scale the sums were multiplied by).
 """
 from __future__ import annotations
 
@@ -32,7 +33,8 @@ from typing import Iterator
 
 import tensorflow as tf
 
-from tower_train.towers import tower_function
+from tower_train.inner_step import Batch, UpdateResult
+from tower_train.towers import labels_per_shard, regularization_gradients, tower_function
 from tower_train.update_rule import TrainingStatistics, UpdateRule
 
 
@@ -59,7 +61,6 @@ class StrategyStep:
         self._accum = accum
         self._first_replica = first_replica  # global id of this worker's first replica
         self._local_replicas = len(strategy.extended.worker_devices)
-        self._scale = 1.0 / (strategy.num_replicas_in_sync * accum)
         # CentralStorageStrategy has no replica-local variables: its accumulators are one sum over
         # all replicas on the parameter device (a reduction every micro-step), so each replica
         # counts 1/N of it.
@@ -72,62 +73,71 @@ class StrategyStep:
             self._grad_sums = [tf.Variable(tf.zeros(v.shape, v.dtype), name=f"grad_sum_{j}", **local)
                                for j, v in enumerate(model.trainable_variables)]
             self._loss_sum = tf.Variable(0.0, name="loss_sum", **local)
+            self._weight_sum = tf.Variable(0.0, name="weight_sum", **local)
             self._statistics = TrainingStatistics(model)
         self.accumulate = tf.function(self._accumulate)
         self.finish = tf.function(self._finish)
         self.apply = tf.function(self._apply)
         self.discard = tf.function(self._discard)
 
-    def run_update(self, batches: Iterator[tuple[tf.Tensor, tf.Tensor]]) -> tuple[tf.Tensor, bool]:
-        """Takes K micro-batches from `batches` and applies one update.
-
-        Returns (mean loss over all workers, applied): applied is False when a
-        non-finite value on any replica kept the update from being applied.
-        """
+    def run_update(self, batches: Iterator[Batch]) -> UpdateResult:
+        """Takes K micro-batches from `batches` and applies one update, or refuses it when the
+        total weight is 0 or a non-finite value on any replica would reach the weights."""
         for _ in range(self._accum - 1):
             self.accumulate(*next(batches))
-        loss, nonfinite = self.finish(*next(batches))
-        applied = int(nonfinite) == 0
-        (self.apply if applied else self.discard)()
-        return loss, applied
+        features, labels, weights = next(batches)
+        scalars, regularization = self.finish(features, labels, weights)
+        loss_sum, total_weight, nonfinite = scalars.numpy()
+        applied = nonfinite == 0 and total_weight > 0
+        if applied:
+            count = labels_per_shard(labels.shape, self._local_replicas)
+            self.apply(tf.constant(count / total_weight, tf.float32))
+        else:
+            self.discard(tf.constant(nonfinite > 0))
+        mean_loss = loss_sum / total_weight if total_weight > 0 else 0.0
+        return UpdateResult.of(mean_loss + float(regularization), total_weight, applied)
 
-    def _per_replica(self, images: tf.Tensor, labels: tf.Tensor) -> tf.distribute.DistributedValues:
-        shards = (tf.split(images, self._local_replicas), tf.split(labels, self._local_replicas))
+    def _per_replica(self, batch: Batch) -> tf.distribute.DistributedValues:
+        shards = [tf.split(part, self._local_replicas) for part in batch]
 
-        def shard(context: tf.distribute.DistributedContext) -> tuple[tf.Tensor, tf.Tensor]:
+        def shard(context: tf.distribute.DistributedContext) -> Batch:
             local_id = context.replica_id_in_sync_group - self._first_replica
-            return shards[0][local_id], shards[1][local_id]
+            return tuple(part[local_id] for part in shards)
 
         return self._strategy.experimental_distribute_values_from_function(shard)
 
-    def _accumulate(self, images: tf.Tensor, labels: tf.Tensor) -> None:
-        self._strategy.run(self._accumulate_replica, args=(self._per_replica(images, labels),))
+    def _accumulate(self, features: tf.Tensor, labels: tf.Tensor, weights: tf.Tensor) -> None:
+        self._strategy.run(self._accumulate_replica, args=(self._per_replica((features, labels, weights)),))
 
-    def _accumulate_replica(self, shard: tuple[tf.Tensor, tf.Tensor]) -> tf.Tensor:
-        loss, grads = self._tower(*shard)
+    def _accumulate_replica(self, shard: Batch) -> tf.Tensor:
+        loss_sum, weight_sum, grads = self._tower(*shard)
         for grad_sum, grad in zip(self._grad_sums, grads, strict=True):
             grad_sum.assign_add(grad)
-        self._loss_sum.assign_add(loss)
+        self._loss_sum.assign_add(loss_sum)
+        self._weight_sum.assign_add(weight_sum)
         return tf.identity(self._loss_sum.read_value())
 
-    def _finish(self, images: tf.Tensor, labels: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
-        """The last micro-step: (mean loss of the update, count of non-finite values), both global."""
-        loss_sums = self._strategy.run(self._accumulate_replica, args=(self._per_replica(images, labels),))
-        nonfinite = self._strategy.run(self._count_nonfinite)
-        sum_ = tf.distribute.ReduceOp.SUM
+    def _finish(self, features: tf.Tensor, labels: tf.Tensor,
+                weights: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+        """The last micro-step: [sum(w * loss), sum(w), non-finite values], summed over every
+        replica of every worker, and the regularization of the weights the update started from."""
+        self._strategy.run(self._accumulate_replica, args=(self._per_replica((features, labels, weights)),))
+        scalars = self._strategy.run(self._replica_scalars)
         # Under CentralStorageStrategy the sums are already shared: each replica holds 1/N of them.
-        return (self._strategy.reduce(sum_, loss_sums, axis=None) * self._scale * self._accumulated_share,
-                self._strategy.reduce(sum_, nonfinite, axis=None))
+        share = tf.constant([self._accumulated_share, self._accumulated_share, 1.0])
+        return (self._strategy.reduce(tf.distribute.ReduceOp.SUM, scalars, axis=None) * share,
+                tf.cast(self._rule.model.regularization(), tf.float32))
 
-    def _count_nonfinite(self) -> tf.Tensor:
+    def _replica_scalars(self) -> tf.Tensor:
         values = [self._loss_sum.read_value()] + [s.read_value() for s in self._grad_sums]
-        return tf.add_n([tf.reduce_sum(tf.cast(~tf.math.is_finite(v), tf.int32)) for v in values])
+        nonfinite = tf.add_n([tf.reduce_sum(tf.cast(~tf.math.is_finite(v), tf.float32)) for v in values])
+        return tf.stack([self._loss_sum.read_value(), self._weight_sum.read_value(), nonfinite])
 
-    def _apply(self) -> None:
-        self._strategy.run(self._apply_replica)
+    def _apply(self, count_over_weight: tf.Tensor) -> None:
+        self._strategy.run(self._apply_replica, args=(count_over_weight,))
 
-    def _apply_replica(self) -> None:
-        scale = self._scale * self._accumulated_share
+    def _apply_replica(self, count_over_weight: tf.Tensor) -> None:
+        scale = count_over_weight * self._accumulated_share
         if self._rule.loss_scale is not None:  # float16: the sums hold S x gradients
             scale = scale / self._rule.loss_scale.value.read_value()
         context = tf.distribute.get_replica_context()
@@ -139,7 +149,8 @@ class StrategyStep:
         reduced = context.all_reduce(tf.distribute.ReduceOp.SUM,
                                      [s.read_value() * scale for s in self._grad_sums]
                                      + [v.read_value() / replicas for v in statistics])
-        mean_grads = reduced[:len(self._grad_sums)]
+        _, regularization_grads = regularization_gradients(self._rule.model)
+        mean_grads = [g + r for g, r in zip(reduced[:len(self._grad_sums)], regularization_grads, strict=True)]
         for statistic, mean in zip(statistics, reduced[len(self._grad_sums):], strict=True):
             statistic.assign(mean)
         clipped = self._rule.clip(mean_grads)  # identical on every replica, so no reduction
@@ -149,9 +160,9 @@ class StrategyStep:
         self._statistics.keep()
         self._clear()
 
-    def _discard(self) -> None:
+    def _discard(self, overflowed: tf.Tensor) -> None:
         self._strategy.run(self._discard_replica)
-        self._rule.refuse()
+        tf.cond(overflowed, self._rule.refuse, lambda: None)  # an empty update is no overflow
 
     def _discard_replica(self) -> None:
         self._statistics.restore()
@@ -161,3 +172,4 @@ class StrategyStep:
         for grad_sum in self._grad_sums:
             grad_sum.assign(tf.zeros_like(grad_sum))
         self._loss_sum.assign(tf.zeros_like(self._loss_sum))
+        self._weight_sum.assign(tf.zeros_like(self._weight_sum))

@@ -3,13 +3,23 @@
 1. `tower_loss_and_gradients` (and `tower_function`, which binds the model):
    what one tower computes, knowing nothing of devices.
 2. `run_on_towers`: the placement, which calls a tower function once per device.
-3. `average_gradients`: the pure cross-tower reduction.
+3. `combine_gradients`: the pure cross-tower reduction.
 
-The gradient math, written down once: a tower's loss is the mean per-example
-loss over its shard plus the model's regularization; the update applies the
-mean of the tower gradients over N towers and K micro-steps. With equal
-shards, that is exactly the gradient of the mean loss over the
-G = batch_size x N x K examples of the update (plus the regularization, once).
+The gradient math, written down once. An update consumes G examples across
+N towers, K micro-steps and all workers; each example has labels of any shape
+and a weight per label (1 unless the data says otherwise, 0 for padding). The
+update applies the gradient of
+
+    L = sum over the update of w * loss / W  +  regularization,   W = sum over the update of w
+
+exactly: a weighted mean over every label of the update, not a mean of
+per-shard means, plus the regularization once. A tower returns the SUMS
+sum(w * loss) and sum(w) of its shard with the gradient of sum(w * loss) / c,
+c being the number of labels in its shard (a constant that keeps the gradient
+at the scale of a mean, which float16 needs); the sums travel to the one
+reduction of the update, which multiplies each tower's gradient sum by c / W,
+and then adds the gradient of the regularization. With unit weights and equal
+shards, c / W = 1 / (N x K): the mean of the tower gradients.
 """
 from __future__ import annotations
 
@@ -17,46 +27,65 @@ from typing import Callable, Sequence, TypeVar
 
 import tensorflow as tf
 
-from models.base import TowerModel
+from tower_train.models.base import TowerModel
 from tower_train.update_rule import LossScale
 
 T = TypeVar("T")
+TowerResult = tuple[tf.Tensor, tf.Tensor, list[tf.Tensor]]
 
 
 def tower_loss_and_gradients(
-    model: TowerModel, images: tf.Tensor, labels: tf.Tensor, loss_scale: tf.Tensor | None = None
-) -> tuple[tf.Tensor, list[tf.Tensor]]:
+    model: TowerModel, features: tf.Tensor, labels: tf.Tensor, weights: tf.Tensor,
+    loss_scale: tf.Tensor | None = None,
+) -> TowerResult:
     """One tower's forward and backward pass.
 
     Args:
       model: the network; its variables may live on another device.
-      images: float32 [b, 24, 24, 3], this tower's shard.
-      labels: int32 [b].
+      features: this tower's shard, [b, ...], as the model takes it.
+      labels: int [b, ...] (the label shape of the data).
+      weights: float32, the labels' shape.
       loss_scale: float32 scalar S (float16 training) or None (S = 1).
 
     Returns:
-      (loss, gradients): the scalar mean loss over the shard plus the model's
-      regularization, and the gradient of S x loss for each of
-      `model.trainable_variables` (same order and shapes, float32).
+      (weighted_loss_sum, weight_sum, gradients): the float32 scalars sum(w * loss) and
+      sum(w) over the shard, and the gradient of S x sum(w * loss) / c, c = the number of
+      labels in the shard, for each of `model.trainable_variables` (same order and shapes).
     """
     with tf.GradientTape() as tape:
-        logits = model(images, training=True)
-        loss = tf.reduce_mean(model.per_example_loss(labels, logits)) + model.regularization()
-        scaled = loss if loss_scale is None else loss * loss_scale
-    return loss, tape.gradient(scaled, model.trainable_variables)
+        logits = model(features, training=True)
+        losses = tf.cast(model.per_example_loss(labels, logits), tf.float32)
+        weighted_loss_sum = tf.reduce_sum(losses * weights)
+        objective = weighted_loss_sum / tf.cast(tf.size(weights), tf.float32)
+        if loss_scale is not None:
+            objective = objective * loss_scale
+    gradients = tape.gradient(objective, model.trainable_variables)
+    return weighted_loss_sum, tf.reduce_sum(weights), gradients
 
 
 def tower_function(
     model: TowerModel, loss_scale: LossScale | None = None, jit_compile: bool = False
-) -> Callable[[tf.Tensor, tf.Tensor], tuple[tf.Tensor, list[tf.Tensor]]]:
-    """`tower_loss_and_gradients` of `model` as a function of (images, labels), reading the
-    current loss scale at every call; with `jit_compile`, compiled by XLA for the device it
-    is called on (which must hold the model's variables: XLA cannot read another device's)."""
-    def tower(images: tf.Tensor, labels: tf.Tensor) -> tuple[tf.Tensor, list[tf.Tensor]]:
+) -> Callable[[tf.Tensor, tf.Tensor, tf.Tensor], TowerResult]:
+    """`tower_loss_and_gradients` of `model` as a function of (features, labels, weights),
+    reading the current loss scale at every call; with `jit_compile`, compiled by XLA for the
+    device it is called on (which must hold the model's variables: XLA cannot read another
+    device's)."""
+    def tower(features: tf.Tensor, labels: tf.Tensor, weights: tf.Tensor) -> TowerResult:
         return tower_loss_and_gradients(
-            model, images, labels, None if loss_scale is None else loss_scale.value.read_value())
+            model, features, labels, weights,
+            None if loss_scale is None else loss_scale.value.read_value())
 
     return tf.function(tower, jit_compile=True) if jit_compile else tower
+
+
+def regularization_gradients(model: TowerModel) -> tuple[tf.Tensor, list[tf.Tensor]]:
+    """The model's regularization and its gradient for each trainable variable (zeros where it
+    does not depend on one): added once per update, never per tower or micro-step."""
+    with tf.GradientTape() as tape:
+        regularization = tf.cast(model.regularization(), tf.float32)
+    gradients = tape.gradient(regularization, model.trainable_variables)
+    return regularization, [tf.zeros(v.shape, v.dtype) if g is None else g
+                            for g, v in zip(gradients, model.trainable_variables, strict=True)]
 
 
 def run_on_towers(
@@ -74,25 +103,33 @@ def run_on_towers(
     return results
 
 
-def average_gradients(
-    tower_gradients: Sequence[Sequence[tf.Tensor]], num_micro_steps: int = 1
+def combine_gradients(
+    tower_gradient_sums: Sequence[Sequence[tf.Tensor]], tower_label_counts: Sequence[float],
+    total_weight: tf.Tensor,
 ) -> list[tf.Tensor]:
-    """The mean gradient over N towers and K micro-steps, on the current device.
+    """The gradient of the update's weighted mean loss, on the current device.
 
     Args:
-      tower_gradients: N sequences of V tensors; tower_gradients[i][v] has the
-        shape of variable v and is tower i's gradient summed over its
-        `num_micro_steps` (K) micro-steps.
-      num_micro_steps: K.
+      tower_gradient_sums: N sequences of V tensors; tower_gradient_sums[i][v] has the shape of
+        variable v and is tower i's gradient of sum(w * loss) / c_i, summed over the update's
+        micro-steps.
+      tower_label_counts: N numbers; c_i, the labels in one shard of tower i.
+      total_weight: float32 scalar W > 0, the sum of the weights over the whole update.
 
     Returns:
       V tensors; element v has the shape of variable v and equals
-      sum_i tower_gradients[i][v] / (N * K).
+      sum_i tower_gradient_sums[i][v] x c_i / W.
     """
-    scale = 1.0 / (len(tower_gradients) * num_micro_steps)
-    return [tf.add_n(list(grads)) * scale for grads in zip(*tower_gradients, strict=True)]
+    return [tf.add_n([g * (count / total_weight) for g, count in zip(grads, tower_label_counts, strict=True)])
+            for grads in zip(*tower_gradient_sums, strict=True)]
 
 
-def split_batch(images: tf.Tensor, labels: tf.Tensor, num_shards: int) -> list[tuple[tf.Tensor, tf.Tensor]]:
-    """A global micro-batch [N*b, ...] as N consecutive shards of b examples."""
-    return list(zip(tf.split(images, num_shards), tf.split(labels, num_shards)))
+def split_batch(batch: tuple[tf.Tensor, ...], num_shards: int) -> list[tuple[tf.Tensor, ...]]:
+    """A global micro-batch (features, labels, weights), each [N*b, ...], as N consecutive shards
+    of b examples."""
+    return list(zip(*(tf.split(part, num_shards) for part in batch), strict=True))
+
+
+def labels_per_shard(labels_shape: Sequence[int], num_shards: int) -> float:
+    """c: the labels of one shard of a global micro-batch of labels of (static) `labels_shape`."""
+    return tf.TensorShape(labels_shape).num_elements() / num_shards

@@ -14,7 +14,7 @@ import dataclasses
 import keras
 import tensorflow as tf
 
-from models.base import TowerModel
+from tower_train.models.base import TowerModel
 from tower_train.schedules import MovingAverage
 
 

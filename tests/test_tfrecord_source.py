@@ -1,0 +1,375 @@
+"""Tests of tower_train.tfrecord_source: the stream contract of a TFRecordSource (purity, resuming,
+shuffling, sharding), its held-out batches, its checks, and write_examples."""
+
+from __future__ import annotations
+
+import gzip
+import os
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tower_train.data import DataError
+from tower_train.tfrecord_source import TFRecordSource, write_examples
+from tower_train.user_code import UserCodeError
+
+# Train files of 10, 13 and 7 records: 30 records, ids 0..29 in file order.
+TRAIN_SIZES = (10, 13, 7)
+N_TRAIN = sum(TRAIN_SIZES)
+EVAL_SIZES = (6, 5)
+EVAL_ID = 100  # held-out ids are 100, 101, ...
+NUM_CLASSES = 5
+FEATURES = {"x": tf.io.FixedLenFeature([3], tf.int64), "label": tf.io.FixedLenFeature([], tf.int64)}
+
+
+def rows(ids: np.ndarray) -> dict[str, np.ndarray]:
+    """The written arrays of records `ids`: x = [id, id + 1000, -id], label = id % 5."""
+    return {"x": np.stack([ids, ids + 1000, -ids], 1), "label": ids % NUM_CLASSES}
+
+
+def parse(example):
+    return tf.cast(example["x"], tf.float32), tf.cast(example["label"], tf.int32)
+
+
+def write_split(directory, prefix: str, sizes, first_id: int = 0) -> list[str]:
+    paths, start = [], first_id
+    for i, size in enumerate(sizes):
+        path = os.path.join(directory, f"{prefix}-{i:02d}.tfrecord")
+        assert write_examples(path, rows(np.arange(start, start + size))) == size
+        paths.append(path)
+        start += size
+    return paths
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("records")
+    train = write_split(directory, "train", TRAIN_SIZES)
+    evaluation = write_split(directory, "eval", EVAL_SIZES, EVAL_ID)
+    return str(directory), train, evaluation
+
+
+def make_source(files, **overrides) -> TFRecordSource:
+    directory, _, _ = files
+    arguments = dict(train_files=[os.path.join(directory, "train-*.tfrecord")],
+                     eval_files=[os.path.join(directory, "eval-*.tfrecord")], features=FEATURES,
+                     parse=parse, feature_spec=tf.TensorSpec([3], tf.float32),
+                     label_spec=tf.TensorSpec([], tf.int32), num_classes=NUM_CLASSES, shuffle_buffer=8)
+    arguments.update(overrides)
+    return TFRecordSource(arguments.pop("train_files"), arguments.pop("eval_files"), **arguments)
+
+
+def take(dataset, count: int) -> tuple[np.ndarray, ...]:
+    """The first `count` examples of a dataset of batches, as (features, labels, weights)."""
+    parts = []
+    for batch in dataset:
+        parts.append([t.numpy() for t in batch])
+        if sum(len(p[0]) for p in parts) >= count:
+            break
+    return tuple(np.concatenate([p[i] for p in parts])[:count] for i in range(len(parts[0])))
+
+
+def stream(source, *, seed=7, start=0, micro_batch=8, shard_index=0, num_shards=1):
+    return source.train_stream(seed=seed, start_position=start, micro_batch=micro_batch,
+                               shard_index=shard_index, num_shards=num_shards)
+
+
+def ids_of(features: np.ndarray) -> np.ndarray:
+    return features[:, 0].astype(np.int64)
+
+
+def check_examples(features, labels, weights) -> None:
+    """Every example is the written record of its id."""
+    expected = rows(ids_of(features))
+    np.testing.assert_array_equal(features[:, :3], expected["x"].astype(np.float32))
+    np.testing.assert_array_equal(labels, expected["label"])
+    np.testing.assert_array_equal(weights, np.ones(len(labels), np.float32))
+
+
+# --------------------------------------------------------------------------------------------------
+# The stream
+
+
+def test_stream_does_not_depend_on_micro_batch(files):
+    source = make_source(files)
+    big = take(stream(source, micro_batch=64), 64)  # 64 examples: across two epoch boundaries
+    for micro_batch in (8, 5):
+        small = take(stream(source, micro_batch=micro_batch), 64)
+        for a, b in zip(big, small):
+            np.testing.assert_array_equal(a, b)
+    check_examples(*big)
+
+
+def test_stream_is_pure_function_of_seed(files):
+    """Two fresh pipelines, whatever TensorFlow's global seed, and the same dataset iterated twice
+    read the same stream; another seed reads another."""
+    first = take(stream(make_source(files)), 64)[0]
+    tf.random.set_seed(12345)
+    try:
+        dataset = stream(make_source(files))
+        for _ in range(2):
+            np.testing.assert_array_equal(take(dataset, 64)[0], first)
+    finally:
+        tf.random.set_seed(None)  # no global seed again, as before
+    other = take(stream(make_source(files), seed=8), 64)[0]
+    assert not np.array_equal(ids_of(other), ids_of(first))
+
+
+@pytest.mark.parametrize("start", [7, 40, 95])  # within the first epoch, the second, the fourth
+def test_resume_continues_the_stream(files, start):
+    source = make_source(files)
+    fresh = take(stream(source, micro_batch=16), start + 48)
+    resumed = take(stream(source, start=start, micro_batch=16), 48)
+    for a, b in zip(fresh, resumed):
+        np.testing.assert_array_equal(a[start:], b)
+    positions = next(iter(source._raw_train_batches(7, start, 16)))[0].numpy()
+    np.testing.assert_array_equal(positions, np.arange(start, start + 16))
+
+
+@pytest.mark.parametrize("shuffle_buffer", [0, 1])
+def test_without_shuffling_the_stream_is_file_order(files, shuffle_buffer):
+    directory, train, _ = files
+    # Listed out of order on purpose: each pattern's matches come sorted, patterns in their order.
+    source = make_source(files, shuffle_buffer=shuffle_buffer,
+                         train_files=[train[1], os.path.join(directory, "train-0[02].tfrecord")])
+    features, labels, weights = take(stream(source, micro_batch=16, start=5), 3 * N_TRAIN)
+    order = np.concatenate([np.arange(10, 23), np.arange(0, 10), np.arange(23, 30)])
+    expected = rows(order[(5 + np.arange(3 * N_TRAIN)) % N_TRAIN])
+    np.testing.assert_array_equal(features, expected["x"].astype(np.float32))
+    np.testing.assert_array_equal(labels, expected["label"])
+    np.testing.assert_array_equal(weights, 1.0)
+
+
+def test_each_epoch_is_a_fresh_permutation(files):
+    source = make_source(files, shuffle_buffer=8)
+    features, labels, weights = take(stream(source, micro_batch=10), 4 * N_TRAIN)
+    check_examples(features, labels, weights)
+    epochs = ids_of(features).reshape(4, N_TRAIN)
+    for epoch in epochs:
+        np.testing.assert_array_equal(np.sort(epoch), np.arange(N_TRAIN))
+    assert not np.array_equal(epochs[0], np.arange(N_TRAIN))  # shuffled
+    assert len({tuple(e) for e in epochs}) == 4  # and differently each epoch
+
+
+# --------------------------------------------------------------------------------------------------
+# Workers
+
+
+def preprocess(features, seeds, training):
+    """Appends each example's seed [seed, position]: shows which position a worker gave it."""
+    return tf.concat([features, tf.cast(seeds, tf.float32)], -1)
+
+
+def test_stream_sharding_reads_the_one_process_stream(files):
+    source = make_source(files, preprocess=preprocess)
+    micro, workers, updates = 6, 2, 7  # 84 examples: across two epoch boundaries
+    start = 10  # not a multiple of the global batch
+    one = take(stream(source, start=start, micro_batch=micro * workers), updates * micro * workers)
+    np.testing.assert_array_equal(one[0][:, 4], start + np.arange(updates * micro * workers))
+    for k in range(workers):
+        mine = take(stream(source, start=start, micro_batch=micro, shard_index=k, num_shards=workers),
+                    updates * micro)
+        for a, b in zip(one, mine):
+            expected = a.reshape(updates, workers, micro, *a.shape[1:])[:, k]
+            np.testing.assert_array_equal(b, expected.reshape(b.shape))
+
+
+def test_files_sharding_reads_disjoint_files(files):
+    source = make_source(files, sharding="files", preprocess=preprocess)
+    file_of = np.repeat(np.arange(len(TRAIN_SIZES)), TRAIN_SIZES)  # id -> its file
+    micro, workers = 4, 2
+    seen = []
+    for k in range(workers):
+        features, labels, weights = take(stream(source, micro_batch=micro, shard_index=k,
+                                                num_shards=workers), 60)
+        check_examples(features, labels, weights)
+        ids = ids_of(features)
+        assert set(file_of[ids]) == {i for i in range(len(TRAIN_SIZES)) if i % workers == k}
+        # every record of its files, each epoch a permutation of them
+        epoch = int(np.sum(np.array(TRAIN_SIZES)[k::workers]))
+        np.testing.assert_array_equal(np.sort(ids[:epoch]), np.flatnonzero(file_of % workers == k))
+        # seeds' positions: local position * workers + k, distinct over the workers
+        np.testing.assert_array_equal(features[:, 4], np.arange(60) * workers + k)
+        # resuming after 5 updates of both workers continues this worker's own stream
+        resumed = take(stream(source, start=5 * micro * workers, micro_batch=micro, shard_index=k,
+                              num_shards=workers), 20)
+        np.testing.assert_array_equal(resumed[0], features[5 * micro:5 * micro + 20])
+        seen.append(set(ids))
+    assert not seen[0] & seen[1]
+    assert seen[0] | seen[1] == set(range(N_TRAIN))
+
+
+def test_files_sharding_refusals_and_one_worker(files):
+    source = make_source(files, sharding="files")
+    with pytest.raises(ValueError, match="multiple of num_shards"):
+        stream(source, start=3, shard_index=0, num_shards=2)
+    with pytest.raises(DataError, match="at least 4 train files"):
+        stream(source, shard_index=3, num_shards=4)
+    # one worker: the same stream as sharding="stream"
+    np.testing.assert_array_equal(take(stream(source), 40)[0], take(stream(make_source(files)), 40)[0])
+
+
+# --------------------------------------------------------------------------------------------------
+# Held-out batches
+
+
+def test_eval_batches_cover_every_record_once_in_order(files):
+    source = make_source(files, preprocess=preprocess)
+    batches = [[t.numpy() for t in batch] for batch in source.eval_batches(4)]
+    assert [len(b[1]) for b in batches] == [4, 4, 3]
+    features, labels, weights = (np.concatenate([b[i] for b in batches]) for i in range(3))
+    n_eval = sum(EVAL_SIZES)
+    np.testing.assert_array_equal(ids_of(features), EVAL_ID + np.arange(n_eval))
+    check_examples(features, labels, weights)
+    np.testing.assert_array_equal(features[:, 3:], np.stack([np.zeros(n_eval), np.arange(n_eval)], 1))
+
+
+def test_no_eval_files_is_zero_batches_of_the_same_structure(files):
+    source = make_source(files, eval_files=None)
+    dataset = source.eval_batches(4)
+    assert list(dataset) == []
+    spec = stream(source).element_spec
+    for got, want in zip(dataset.element_spec, spec):
+        assert got.dtype == want.dtype and got.shape[1:] == want.shape[1:]
+
+
+# --------------------------------------------------------------------------------------------------
+# Checks
+
+
+def one_line_error(error_type, function, *fragments):
+    with pytest.raises(error_type) as caught:
+        function()
+    message = str(caught.value)
+    assert "\n" not in message, message
+    for fragment in fragments:
+        assert fragment in message, message
+    return message
+
+
+def test_pattern_that_matches_nothing(files):
+    directory, train, _ = files
+    missing = os.path.join(directory, "nope-*.tfrecord")
+    one_line_error(DataError, lambda: make_source(files, train_files=[train[0], missing]), repr(missing),
+                   "matches no file", "train_files")
+    one_line_error(DataError, lambda: make_source(files, eval_files=directory), repr(directory),
+                   "eval_files")  # a directory is not a file
+    one_line_error(DataError, lambda: make_source(files, train_files=[]), "train_files")
+
+
+def test_bad_arguments(files):
+    one_line_error(DataError, lambda: make_source(files, sharding="workers"), "sharding='workers'",
+                   "'stream', 'files'")
+    one_line_error(DataError, lambda: make_source(files, compression="LZ4"), "compression")
+    one_line_error(DataError, lambda: make_source(files, shuffle_buffer=-1), "shuffle_buffer")
+    one_line_error(DataError, lambda: make_source(files, label_spec=tf.TensorSpec([], tf.float32)),
+                   "integers")
+    one_line_error(DataError, lambda: make_source(files, feature_spec=tf.TensorSpec([4], tf.float32)),
+                   "features", "[4]")
+    one_line_error(DataError, lambda: make_source(files, parse=lambda e: e["x"]), "parse returns")
+
+    def broken(example):
+        return example["no_such_feature"], example["label"]
+
+    one_line_error(UserCodeError, lambda: make_source(files, parse=broken), "parse", "no_such_feature")
+
+
+def test_label_outside_the_classes_fails_when_read(files):
+    source = make_source(files, num_classes=3)  # labels go up to 4
+    with pytest.raises(tf.errors.InvalidArgumentError, match="outside 0..2"):
+        take(stream(source, micro_batch=16), 32)
+
+
+def test_train_files_without_records(tmp_path, files):
+    empty = str(tmp_path / "empty.tfrecord")
+    with tf.io.TFRecordWriter(empty):
+        pass
+    source = make_source(files, train_files=[empty])
+    one_line_error(DataError, lambda: stream(source), "hold no record", repr(empty))
+
+
+# --------------------------------------------------------------------------------------------------
+# Specs, sequences, writing
+
+
+def test_outputs_have_the_declared_specs(files):
+    source = make_source(files, feature_spec=tf.TensorSpec([3], tf.float32))
+    features, labels, weights = next(iter(stream(source, micro_batch=8)))
+    assert (features.dtype, features.shape) == (tf.float32, (8, 3))
+    assert (labels.dtype, labels.shape) == (tf.int32, (8,))
+    assert (weights.dtype, weights.shape) == (tf.float32, (8,))
+
+
+def test_padded_sequences_get_zero_weight_on_padding(tmp_path):
+    length = 6
+    rng = np.random.default_rng(0)
+    tokens = [rng.integers(1, 9, size) for size in (3, 6, 1, 4, 2)]
+    path = str(tmp_path / "seq.tfrecord")
+    write_examples(path, {"tokens": tokens, "score": np.arange(5, dtype=np.float32)})
+
+    def pad(example):
+        sequence = tf.sparse.to_dense(example["tokens"])[:length]
+        real = tf.size(sequence)
+        padded = tf.pad(sequence, [[0, length - real]])
+        weights = tf.sequence_mask(real, length, tf.float32) * (1 + example["score"])
+        return tf.cast(padded, tf.int32), tf.cast(padded, tf.int32), weights
+
+    source = TFRecordSource(path, path, features={"tokens": tf.io.VarLenFeature(tf.int64),
+                                                  "score": tf.io.FixedLenFeature([], tf.float32)},
+                            parse=pad, feature_spec=tf.TensorSpec([length], tf.int32),
+                            label_spec=tf.TensorSpec([length], tf.int32), num_classes=10)
+    features, labels, weights = next(iter(source.eval_batches(8)))
+    assert (features.shape, labels.shape, weights.shape) == ((5, length),) * 3
+    assert weights.dtype == tf.float32
+    expected = np.zeros((5, length), np.int64)
+    expected_weights = np.zeros((5, length), np.float32)
+    for i, row in enumerate(tokens):
+        expected[i, :len(row)] = row
+        expected_weights[i, :len(row)] = 1 + i
+    np.testing.assert_array_equal(features.numpy(), expected)
+    np.testing.assert_array_equal(labels.numpy(), expected)
+    np.testing.assert_array_equal(weights.numpy(), expected_weights)
+    train_features, _, train_weights = next(iter(stream(source, micro_batch=5)))
+    assert train_features.shape == (5, length) and train_weights.shape == (5, length)
+
+
+def test_write_examples_round_trip(tmp_path):
+    path = str(tmp_path / "kinds.tfrecord.gz")
+    images = np.arange(2 * 4 * 4 * 3, dtype=np.uint8).reshape(2, 4, 4, 3)
+    count = write_examples(path, {"image": images, "value": np.array([0.5, -2.0]),
+                                  "flag": np.array([True, False]), "name": np.array([b"a", b"bc"])},
+                           compression="GZIP")
+    assert count == 2
+    with open(path, "rb") as f:
+        assert gzip.decompress(f.read())  # really compressed
+    spec = {"image": tf.io.FixedLenFeature([4, 4, 3], tf.int64),
+            "value": tf.io.FixedLenFeature([], tf.float32), "flag": tf.io.FixedLenFeature([], tf.int64),
+            "name": tf.io.FixedLenFeature([], tf.string)}
+    records = list(tf.data.TFRecordDataset(path, compression_type="GZIP"))
+    parsed = [tf.io.parse_single_example(r, spec) for r in records]
+    np.testing.assert_array_equal(np.stack([p["image"].numpy() for p in parsed]), images)
+    assert [float(p["value"]) for p in parsed] == [0.5, -2.0]
+    assert [int(p["flag"]) for p in parsed] == [1, 0]
+    assert [p["name"].numpy() for p in parsed] == [b"a", b"bc"]
+    with pytest.raises(ValueError, match="different numbers of rows"):
+        write_examples(str(tmp_path / "bad.tfrecord"), {"a": np.zeros(2), "b": np.zeros(3)})
+
+
+def test_compressed_files_stream(tmp_path):
+    path = str(tmp_path / "z.tfrecord")
+    write_examples(path, rows(np.arange(12)), compression="ZLIB")
+    source = TFRecordSource([path], features=FEATURES, parse=parse,
+                            feature_spec=tf.TensorSpec([3], tf.float32),
+                            label_spec=tf.TensorSpec([], tf.int32), num_classes=NUM_CLASSES,
+                            shuffle_buffer=0, compression="ZLIB")
+    features, labels, weights = take(stream(source, micro_batch=4), 24)
+    np.testing.assert_array_equal(ids_of(features), np.arange(24) % 12)
+    check_examples(features, labels, weights)
+
+
+def test_works_under_a_host_device_scope(files):
+    with tf.device("/cpu:0"):
+        source = make_source(files)
+        features, _, _ = take(stream(source, micro_batch=8), 16)
+    np.testing.assert_array_equal(features, take(stream(make_source(files), micro_batch=8), 16)[0])

@@ -1,0 +1,133 @@
+"""`tower_train.fit`: train any TowerModel on any data source, from a script or the command line.
+
+    import tower_train
+    result = tower_train.fit(model=MyNet, data=tower_train.ArraySource(x, y, eval_features=xe,
+                             eval_labels=ye), train_dir="/tmp/run", num_gpus=4, accum=8)
+
+Every training option is a keyword with the flag's name and default (the fields
+of `TrainConfig`). Everything is checked here, once, in order of cost: the
+options, the train_dir and export_dir, the data set's name and files, the
+model's name, the devices; then the strategy is created (before any other
+TensorFlow op, as a multi-worker strategy needs), the data loaded and the
+model built and checked against it. Bad input raises UsageError with the
+one-line message the CLI prints; nothing is printed and nothing exits.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from typing import Callable
+
+from tower_train import cluster
+from tower_train.config import TrainConfig, check_train_dir
+from tower_train.errors import TrainingError, UsageError
+
+_OPTIONS = tuple(field.name for field in dataclasses.fields(TrainConfig))
+
+
+def make_config(options: dict) -> TrainConfig:
+    """The options as a validated config; UsageError names an unknown one."""
+    unknown = sorted(set(options) - set(_OPTIONS))
+    if unknown:
+        raise UsageError(f"fit(): unknown option {unknown[0]!r}; the options are the flags' names: "
+                         f"{', '.join(_OPTIONS)}")
+    return TrainConfig(**options)
+
+
+def prepare_devices(config: TrainConfig, announce: bool = False):
+    """Checks that the mode fits the devices and creates the logical devices (a DevicePlan).
+
+    The plan's line is logged when `announce`; training logs it once the model is built.
+    """
+    from absl import logging
+
+    from tower_train import devices, modes
+
+    machine_plan = devices.plan_for_this_machine(config.num_gpus, config.ps_device, config.gpu_memory_mb)
+    plan = modes.fit_plan_to_mode(config.mode, machine_plan)
+    modes.resolve_all_reduce(config.mode, config.all_reduce, plan)
+    devices.apply_device_plan(plan)
+    if announce:
+        logging.info("%s", plan.message)
+    return plan
+
+
+def check_data(config: TrainConfig, data: object) -> None:
+    """The data argument and the data options, before anything is loaded."""
+    from tower_train import data as data_module
+    from tower_train.user_code import import_user_module
+
+    if data is None:
+        if config.data_module:
+            import_user_module(config.data_module, "--data_module")
+        data_module.check_dataset(config.dataset, config.data_dir, config.augment)
+        return
+    if not isinstance(data, data_module.Source):
+        raise UsageError(f"data={type(data).__name__}: expected a tower_train.ArraySource or another "
+                         "tower_train.data.Source (or leave it out and name --dataset)")
+    for name in ("data_dir", "augment", "data_module"):
+        if getattr(config, name) != getattr(TrainConfig, name):
+            raise UsageError(f"{name}: is for a named --dataset; data={data.name} was given as a "
+                             "source (augment in its preprocess)")
+
+
+def fit(model: object = None, data: object = None, *, num_classes: int | None = None,
+        stop=None, heartbeat: Callable[[], None] | None = None, **options):
+    """Trains `model` on `data` until --max_steps updates, resuming from train_dir.
+
+    Args:
+      model: None (the `model` option's registered name, by default cifar10_cnn), a registered
+        name, a `tower_train.TowerModel` subclass, or a zero-argument callable returning one.
+      data: None (the `dataset` option), a registered data set name, or a source such as
+        `tower_train.ArraySource`.
+      num_classes: passed to a model class (else it is called without it); a registered name
+        is made with this or the source's number of classes.
+      stop: a `tower_train.stop_signals.StopSignals` to stop at an update boundary on SIGTERM or
+        SIGINT (the CLI passes one); None leaves signals alone.
+      heartbeat: called after every phase that needs the peers (the CLI's multi-worker watchdog).
+      **options: every training option, by its flag's name (see `TrainConfig`).
+
+    Returns:
+      A `tower_train.trainer.TrainResult`: step, loss, eval_precision, eval_examples, checkpoint.
+
+    Raises:
+      UsageError: bad input, in one line. TrainingError: training cannot go on (a non-finite
+      update under --nonfinite=stop, a lost peer). Stopped: a stop signal, after saving.
+    """
+    if isinstance(model, str):
+        options["model"], model = model, None
+    if isinstance(data, str):
+        options["dataset"], data = data, None
+    config = make_config(options)
+    check_train_dir(config.train_dir)
+    worker = (cluster.parse_tf_config(os.environ.get("TF_CONFIG")) if config.mode == "multi_worker"
+              else cluster.SINGLE_PROCESS)
+    check_data(config, data)
+    if model is None:
+        from tower_train.models import model_class
+
+        model_class(config.model, config.model_module)  # a bad name fails before the devices
+    plan = prepare_devices(config)
+
+    import tensorflow as tf
+
+    from tower_train import data as data_module, trainer
+    from tower_train.model_spec import resolve_model
+    from tower_train.modes import build_mode
+
+    mode = build_mode(config, plan, worker)  # first: a multi-worker strategy must precede other ops
+    if heartbeat is not None:
+        heartbeat()
+    source = data if data is not None else data_module.load_source(
+        config.dataset, config.data_dir, config.augment)
+    spec = resolve_model(model, config, num_classes, source.num_classes)
+    try:
+        return trainer.train(config, spec, source, mode, heartbeat or (lambda: None), stop,
+                             live_progress=sys.stderr.isatty())
+    except (tf.errors.UnavailableError, tf.errors.DeadlineExceededError,
+            tf.errors.CancelledError, tf.errors.AbortedError) as e:
+        if worker.count == 1:
+            raise
+        raise TrainingError(f"[{worker.name}] a collective failed ({type(e).__name__}): "
+                            f"{cluster.peer_trouble(worker)}") from None

@@ -1,0 +1,43 @@
+"""What every mode's inner step is: the `InnerStep` protocol, which tower mode's `TowerStep`
+and the strategy modes' `StrategyStep` implement, and what one update reports."""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Iterator, Protocol
+
+import tensorflow as tf
+
+# One global micro-batch: (features [M, ...], labels int [M, ...], weights float32, the labels' shape).
+Batch = tuple[tf.Tensor, tf.Tensor, tf.Tensor]
+
+
+@dataclasses.dataclass(frozen=True)
+class UpdateResult:
+    """What one call of `run_update` did.
+
+    loss: the update's weighted mean loss (over all towers, micro-steps and workers) plus the
+      regularization; total_weight: W, the sum of the update's weights; applied: False when the
+      update was refused (W = 0, or a non-finite loss or gradient) and nothing moved.
+    """
+
+    loss: float
+    total_weight: float
+    applied: bool
+
+    @classmethod
+    def of(cls, loss: tf.Tensor, total_weight: tf.Tensor, applied: tf.Tensor | bool) -> UpdateResult:
+        """From the step's tensors; reading them waits for the update to finish."""
+        return cls(float(loss), float(total_weight), bool(applied))
+
+    @property
+    def empty(self) -> bool:
+        """The update counted no label at all (every weight 0): refused, and no fault."""
+        return self.total_weight == 0 and math.isfinite(self.loss)
+
+
+class InnerStep(Protocol):
+    """Applies one update of K micro-steps: what a mode computes, apart from the outer loop."""
+
+    def run_update(self, batches: Iterator[Batch]) -> UpdateResult:
+        """Takes K global micro-batches from `batches` and applies one update, or refuses it."""

@@ -1,0 +1,161 @@
+"""Which network a run trains, and the one place where it is built.
+
+A run names its network as a registered name (``--model``), a `TowerModel`
+subclass, or a zero-argument callable that returns one; `resolve_model` turns
+any of them into a `ModelSpec`, and `build_model` makes the network from it for
+training, evaluation and export alike, with the run's dtype policy and options
+(``--sync_bn``, ``--recompute``), checking it against the data source.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import inspect
+from typing import Callable, Iterator
+
+import keras
+import tensorflow as tf
+
+from tower_train.checkpoints import model_label
+from tower_train.config import TrainConfig
+from tower_train.data import Source
+from tower_train.errors import UsageError
+from tower_train.models import TowerModel, model_class
+from tower_train.user_code import call_user_code
+
+# Keras's mixed-precision policies: the towers compute in the first dtype, variables stay float32.
+DTYPE_POLICIES = {"fp32": "float32", "bf16": "mixed_bfloat16", "fp16": "mixed_float16"}
+# The TowerModel constructor arguments that options turn on, and the option that turns each on.
+_OPTION_KWARGS = (("sync_bn", "sync_batch_norm"), ("recompute", "recompute"))
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """How to make the network: `make()` returns a fresh, unbuilt TowerModel.
+
+    name: what the run record calls it (a registered name, or module.Class); label: what
+    messages call it (--model=NAME, or model=module.Class).
+    """
+
+    name: str
+    make: Callable[[], TowerModel]
+
+    @property
+    def label(self) -> str:
+        return model_label(self.name)
+
+
+def resolve_model(model: object, config: TrainConfig, num_classes: int | None,
+                  source_classes: int) -> ModelSpec:
+    """`model` (None: --model; a registered name; a TowerModel subclass; a zero-argument
+    callable) as a ModelSpec. A registered name is made with `num_classes`, else the
+    source's number of classes; a class with `num_classes` only when given. The options
+    --sync_bn and --recompute reach a class as constructor arguments.
+
+    Raises:
+      UsageError: an unknown name or module, or something that is no model.
+    """
+    if model is None or isinstance(model, str):
+        name = config.model if model is None else model
+        cls = model_class(name, config.model_module)
+        classes = source_classes if num_classes is None else num_classes
+        return ModelSpec(name, _constructor(cls, name, config, {"num_classes": classes}))
+    qualified = f"{getattr(model, '__module__', '?')}.{getattr(model, '__qualname__', type(model).__name__)}"
+    if inspect.isclass(model):
+        if not issubclass(model, TowerModel):
+            raise UsageError(f"model={qualified}: is not a subclass of tower_train.TowerModel")
+        given = {} if num_classes is None else {"num_classes": num_classes}
+        return ModelSpec(qualified, _constructor(model, qualified, config, given))
+    if not callable(model):
+        raise UsageError(f"model={model!r}: expected a registered name, a tower_train.TowerModel "
+                         "subclass, or a zero-argument callable that returns one")
+    if num_classes is not None:
+        raise UsageError(f"num_classes={num_classes}: is passed to a model class or a registered "
+                         f"name; the callable {qualified} takes no arguments")
+    return ModelSpec(qualified, _checked_factory(model, qualified, config))
+
+
+def _constructor(cls: type, name: str, config: TrainConfig, given: dict) -> Callable[[], TowerModel]:
+    # An option's constructor argument is passed only when the option is on, so that a model
+    # whose __init__ takes num_classes alone still trains without it.
+    asked = {f"--{option}": kwarg for option, kwarg in _OPTION_KWARGS if getattr(config, option)}
+
+    def make() -> TowerModel:
+        try:
+            return cls(**given, **{kwarg: True for kwarg in asked.values()})
+        except TypeError as e:
+            if asked and any(kwarg in str(e) for kwarg in asked.values()):
+                raise UsageError(f"{' '.join(asked)}: {ModelSpec(name, cls).label} does not accept "
+                                 f"{', '.join(asked.values())}: its __init__ must take **kwargs and "
+                                 f"pass them to TowerModel ({str(e).splitlines()[0]})") from None
+            raise
+
+    return make
+
+
+def _checked_factory(factory: Callable[[], TowerModel], name: str,
+                     config: TrainConfig) -> Callable[[], TowerModel]:
+    """A zero-argument factory cannot be handed the options: check that the model it made has them."""
+    def make() -> TowerModel:
+        model = factory()
+        for option, attribute in _OPTION_KWARGS:
+            if getattr(config, option) and isinstance(model, TowerModel) and not getattr(model, attribute):
+                raise UsageError(f"--{option}: the model that {name}() returns was made with "
+                                 f"{attribute}=False; make it with {attribute}=True")
+        return model
+
+    return make
+
+
+@contextlib.contextmanager
+def dtype_policy(precision: str) -> Iterator[None]:
+    """Keras reads the policy when a layer is made, so it is set only while the model is built."""
+    previous = keras.config.dtype_policy()
+    keras.config.set_dtype_policy(DTYPE_POLICIES[precision])
+    try:
+        yield
+    finally:
+        keras.config.set_dtype_policy(previous)
+
+
+def build_model(spec: ModelSpec, source: Source, config: TrainConfig) -> TowerModel:
+    """The network, made in the current scope and built on one example of `source`.
+
+    Raises:
+      UsageError: its code fails (named by file:line), it is no TowerModel, its logits do not
+        fit the labels, or it cannot honour an option the run asked for.
+    """
+    what = spec.label
+    with dtype_policy(config.precision):
+        model = call_user_code(spec.make, what)
+    if not isinstance(model, TowerModel):
+        raise UsageError(f"{what}: made a {type(model).__name__}, not a tower_train.TowerModel")
+    example = source.example_input()
+    logits = call_user_code(lambda: model(example, training=False), f"{what}, called on "
+                            f"{example.dtype.name} {example.shape.as_list()}")
+    check_logits(spec.label, logits, source)
+    regularization = call_user_code(model.regularization, f"{what}.regularization()")
+    if tf.convert_to_tensor(regularization).shape.rank != 0:
+        raise UsageError(f"{what}: regularization() returned shape "
+                         f"{tf.convert_to_tensor(regularization).shape.as_list()}; it must be a scalar")
+    if config.recompute and not model.runs_blocks:
+        raise UsageError(f"--recompute: {what} runs no block through self.run_block, "
+                         "so there is nothing to recompute (see docs/models.md)")
+    if config.sync_bn and not any(isinstance(layer, keras.layers.BatchNormalization)
+                                  for layer in model._flatten_layers()):  # every nested layer
+        raise UsageError(f"--sync_bn: {what} has no BatchNormalization layer")
+    if config.mode == "central_storage" and model.non_trainable_variables:
+        raise UsageError(f"--mode=central_storage: {what} has moving statistics "
+                         "(BatchNormalization), which CentralStorageStrategy cannot update from its "
+                         "replicas; use --mode=tower or mirrored")
+    return model
+
+
+def check_logits(label: str, logits: tf.Tensor, source: Source) -> None:
+    """Logits must be [b, *label shape, C] with C >= the source's number of classes."""
+    shape = tf.convert_to_tensor(logits).shape.as_list()
+    labels = [1, *source.label_spec.shape.as_list()]
+    wanted = f"[{', '.join(map(str, labels))}, C >= {source.num_classes}]"
+    if shape[:-1] != labels or len(shape) != len(labels) + 1 or shape[-1] < source.num_classes:
+        raise UsageError(f"{label}: its logits are {shape} for labels {labels} in "
+                         f"0..{source.num_classes - 1} of {source.name}; they must be {wanted}")

@@ -1,0 +1,87 @@
+"""Progress of a run: what a person watching sees, and TensorBoard's scalars.
+
+On a terminal, a live line (tqdm): updates done out of --max_steps, the
+examples/sec of the updates since the first, the ETA and the last loss. Else
+(a log file, a pipe) a log line right after the first update of the process
+and then every --log_every updates:
+
+    step 10, loss = 1.8345 (712.3 examples/sec; 5.751 sec/update)
+
+The first update of a process traces the step functions, so it is reported but
+not timed. TensorBoard gets loss, learning rate, examples/sec and, in float16,
+the loss scale every --log_every updates, whichever way progress is shown.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import tensorflow as tf
+
+from tower_train.config import TrainConfig
+
+
+class Progress:
+    """A Controller hook (see `tower_train.trainer.Hook`) that reports every applied update."""
+
+    def __init__(self, config: TrainConfig, global_batch: int, first_step: int,
+                 summaries: tf.summary.SummaryWriter, log: Callable[..., None], live: bool):
+        self._log_every, self._max_steps = config.log_every, config.max_steps
+        self._global_batch, self._summaries, self._log = global_batch, summaries, log
+        self._timed_updates, self._timed_seconds = 0, 0.0  # since the last log line
+        self._all_updates, self._all_seconds = 0, 0.0  # since the first update: the live rate
+        self._reported_first = False
+        self._bar = None
+        if live and first_step < config.max_steps:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=config.max_steps, initial=first_step, unit="update",
+                             dynamic_ncols=True, leave=True)
+
+    def after_update(self, event) -> None:
+        """`event`: a `tower_train.trainer.UpdateEvent`."""
+        first = not self._reported_first
+        self._reported_first = True
+        if not first:  # the first update of a process traces: not timed
+            self._timed_updates += 1
+            self._timed_seconds += event.seconds
+            self._all_updates += 1
+            self._all_seconds += event.seconds
+        state = event.state
+        scale = None if state.loss_scale is None else float(state.loss_scale.value.numpy())
+        due = event.step % self._log_every == 0 or event.step == self._max_steps
+        if due:
+            self._write_summaries(event, scale)
+        if self._bar is not None:
+            self._bar.update(event.step - self._bar.n)
+            postfix = {"loss": f"{event.loss:.4f}"}
+            if self._all_updates:
+                postfix["examples/s"] = f"{self._global_batch * self._all_updates / self._all_seconds:.1f}"
+            self._bar.set_postfix(postfix, refresh=True)
+        elif first or due:
+            self._log_line(event.step, event.loss, scale)
+        if due:
+            self._timed_updates, self._timed_seconds = 0, 0.0
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+    def _write_summaries(self, event, scale: float | None) -> None:
+        learning_rate = float(tf.convert_to_tensor(event.state.optimizer.learning_rate))
+        with self._summaries.as_default(step=event.step):
+            tf.summary.scalar("loss", event.loss)
+            tf.summary.scalar("learning_rate", learning_rate)
+            if scale is not None:
+                tf.summary.scalar("loss_scale", scale)
+            if self._timed_updates:
+                tf.summary.scalar("examples_per_sec",
+                                  self._global_batch * self._timed_updates / self._timed_seconds)
+
+    def _log_line(self, step: int, loss: float, scale: float | None) -> None:
+        scale_text = "" if scale is None else f", loss scale {scale:g}"
+        if self._timed_updates:
+            self._log("step %d, loss = %.4f%s (%.1f examples/sec; %.3f sec/update)", step, loss,
+                      scale_text, self._global_batch * self._timed_updates / self._timed_seconds,
+                      self._timed_seconds / self._timed_updates)
+        else:
+            self._log("step %d, loss = %.4f%s (warm-up: tracing, not timed)", step, loss, scale_text)

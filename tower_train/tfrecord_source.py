@@ -1,0 +1,489 @@
+"""`TFRecordSource`: a streaming source of `tf.train.Example` records in TFRecord files, and
+`write_examples`, which writes such files from numpy arrays.
+
+The records are read as a stream, never loaded whole: what the pipeline holds at any time is
+bounded by the shuffle buffer, the read buffers and a few batches, whatever the number of records.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Mapping, Sequence, TypeVar, Union
+
+import numpy as np
+import tensorflow as tf
+
+from tower_train.data import _HOST, DataError, Preprocess, Source
+from tower_train.errors import UsageError
+from tower_train.user_code import UserCodeError, describe, where
+
+FeatureConfig = Union[tf.io.FixedLenFeature, tf.io.VarLenFeature, tf.io.FixedLenSequenceFeature,
+                      tf.io.RaggedFeature, tf.io.SparseFeature]
+Parse = Callable[[dict], tuple]
+Files = Union[str, Sequence[str]]
+T = TypeVar("T")
+_FEATURE_TYPES = (tf.io.FixedLenFeature, tf.io.VarLenFeature, tf.io.FixedLenSequenceFeature,
+                  tf.io.RaggedFeature, tf.io.SparseFeature)
+
+SHARDINGS = ("stream", "files")
+COMPRESSIONS = (None, "", "ZLIB", "GZIP")
+# Second word of the shuffle key [seed, salt]: keeps these shuffles apart from any other use of the
+# training seed (ArraySource's permutations, preprocessing's per-example seeds [seed, position]).
+_SHUFFLE_SALT = 0x7F5EC0DE
+_READ_BUFFER = 1 << 20  # bytes of read-ahead per TFRecord file
+
+
+class TFRecordSource(Source):
+    """`tf.train.Example` records in TFRecord files, streamed (never loaded whole).
+
+    Each record is parsed with ``tf.io.parse_single_example(record, features)``, and `parse`
+    turns that dict of ONE example into ``(features, labels)`` or ``(features, labels, weights)``:
+    features of `feature_spec`, labels of `label_spec` (integers in 0 .. num_classes - 1), weights
+    float of the labels' shape (all ones when `parse` returns none). Shapes must be static: a
+    variable-length sequence is padded by `parse` to a fixed length, with label 0 and weight 0 on
+    the padding. Batches then reach the trainer as features [b, *feature_spec.shape], labels
+    [b, *label_spec.shape], weights float32 [b, *label_spec.shape].
+
+    The training stream is a pure function of (seed, stream position), whatever the batch size:
+    the train files are read one after the other in their order (see Args); each epoch is that
+    sequence of records through a shuffle buffer of `shuffle_buffer` records seeded by
+    (seed, epoch) alone (not by TensorFlow's global seed, nor by how often the dataset was
+    iterated), and epochs follow each other without end. Stream position p is the p-th record of
+    that sequence. So resuming at ``start_position`` continues the very same stream, and any
+    factoring of the global batch reads the same examples. With shuffle_buffer 0 or 1 the stream
+    is the records in file order, repeating. A buffer shuffles locally only: a record moves at
+    most about `shuffle_buffer` places ahead, so files should not be sorted by label; several
+    files with mixed contents and a buffer of a few thousand records are the usual remedy.
+
+    Resuming at start_position reads, but does not parse, the records before it: when that is
+    more than one epoch, the first epoch is counted (read once, not shuffled) and whole epochs
+    are then skipped without reading, so a resume costs at most two epochs of reading.
+
+    Multi-worker training (``train_stream(shard_index=k, num_shards=W)``), `sharding`:
+
+    * ``"stream"`` (default): every worker reads the whole stream, cut into global batches of
+      micro_batch x W, and keeps (parses and preprocesses) only slice k of each. Exact: the W
+      workers together train on precisely the examples one process would, so results match a
+      single-process run and resuming with another W is seamless. Cost: each worker reads all
+      records (W x the reading and shuffling of one process in total; per worker, the I/O of the
+      full data set), but parses only 1/W of them. Fine while reading is cheap next to the
+      model; at scale (many workers, large records, remote storage) reading becomes the limit.
+      Equivalence tests (one process vs several) must use "stream".
+    * ``"files"``: worker k reads only train files i with i % W == k (what
+      ``Dataset.shard(W, k)`` does to the file list), shuffles them with a seed of its own and
+      batches its own micro_batch from them. Reading is 1/W per worker, so this scales, but an
+      update's examples differ from a single process's (and from any other W): not comparable
+      across worker counts, epochs of different workers drift apart when their files hold
+      different numbers of records, and it needs at least W train files (better many more, of
+      similar size). start_position (examples consumed by all workers) must be a multiple of
+      W; worker k resumes its own stream at start_position / W. Preprocessing seeds are
+      [seed, local_position * W + k], distinct over the workers.
+
+    With W == 1 both are the same stream.
+
+    Args:
+      train_files, eval_files: paths or glob patterns (a string is one pattern), read by
+        `tf.io.gfile`, so remote file systems work too. Files are taken in the order of the
+        patterns, each pattern's matches in sorted order; a file matched twice is read once.
+        Each pattern must match at least one readable file (checked here, reading one byte
+        of each file). eval_files None: no held-out set (evaluation counts no example).
+      features: name -> `tf.io.FixedLenFeature`, `VarLenFeature`, ... for parse_single_example.
+      parse: dict of one parsed example -> (features, labels) or (features, labels, weights).
+        Traced once here on no data, to check what it returns against the specs.
+      feature_spec, label_spec: one example's features and labels (fully known shape, dtype);
+        labels of an integer dtype.
+      num_classes: labels lie in 0 .. num_classes - 1 (checked as examples are read).
+      train_size: examples in one epoch if known (only the exponential learning-rate schedule
+        needs it); never counted here.
+      shuffle_buffer: records in the shuffle buffer; 0 or 1: no shuffling, file order.
+      preprocess: see `tower_train.data`: runs on parsed batches, after the worker's slice is
+        taken; None hands the features over as they are.
+      sharding: "stream" or "files", see above.
+      compression: None (or ""), "ZLIB" or "GZIP", for every file.
+      name: for messages and the run record.
+
+    Raises:
+      DataError: an unusable argument, a pattern that matches no readable file, or a `parse`
+        whose results do not fit the specs, in one line naming it.
+      UserCodeError: `parse` raised while traced (one line with its file:line).
+    """
+
+    def __init__(self, train_files: Files, eval_files: Files | None = None, *,
+                 features: Mapping[str, FeatureConfig], parse: Parse,
+                 feature_spec: tf.TensorSpec, label_spec: tf.TensorSpec, num_classes: int,
+                 train_size: int | None = None, shuffle_buffer: int = 10_000,
+                 preprocess: Preprocess | None = None, sharding: str = "stream",
+                 compression: str | None = None, name: str = "tfrecord"):
+        self.name = name
+        if sharding not in SHARDINGS:
+            raise DataError(f"{name}: sharding={sharding!r}: must be one of "
+                            f"{', '.join(map(repr, SHARDINGS))}")
+        if compression not in COMPRESSIONS:
+            raise DataError(f"{name}: compression={compression!r}: must be None, 'ZLIB' or 'GZIP'")
+        _check_int(name, "num_classes", num_classes, 1)
+        _check_int(name, "shuffle_buffer", shuffle_buffer, 0)
+        if train_size is not None:
+            _check_int(name, "train_size", train_size, 1)
+        for what, spec in (("feature_spec", feature_spec), ("label_spec", label_spec)):
+            if not isinstance(spec, tf.TensorSpec) or not spec.shape.is_fully_defined():
+                raise DataError(f"{name}: {what}={spec!r}: must be a tf.TensorSpec of a fully known "
+                                "shape (one example, without the batch axis)")
+        if not label_spec.dtype.is_integer:
+            raise DataError(f"{name}: label_spec has dtype {label_spec.dtype.name}: class labels must "
+                            "be integers")
+        if not isinstance(features, Mapping) or not features or not all(
+                isinstance(key, str) and isinstance(value, _FEATURE_TYPES)
+                for key, value in features.items()):
+            raise DataError(f"{name}: features must be a non-empty dict of name -> tf.io.FixedLenFeature, "
+                            "VarLenFeature, FixedLenSequenceFeature, RaggedFeature or SparseFeature")
+        if not callable(parse):
+            raise DataError(f"{name}: parse={parse!r} is not callable")
+        self.features = dict(features)
+        self.parse = parse
+        self.feature_spec = feature_spec
+        self.label_spec = label_spec
+        self.num_classes = int(num_classes)
+        self.train_size = None if train_size is None else int(train_size)
+        self.shuffle_buffer = int(shuffle_buffer)
+        self.preprocess = preprocess
+        self.sharding = sharding
+        self.compression = compression or None
+        self.train_files = _expand(name, "train_files", train_files)
+        self.eval_files = None if eval_files is None else _expand(name, "eval_files", eval_files)
+        self._has_weights = self._check_parse()
+
+    # ----------------------------------------------------------------------------------------------
+    # The Source interface
+
+    def _raw_train_batches(self, seed: int, start_position: int, batch: int) -> tf.data.Dataset:
+        examples = self._train_examples(self.train_files, _shuffle_key(seed), start_position)
+        return self._parse_batches(examples, batch, drop_remainder=True)
+
+    def _raw_eval_batches(self, batch_size: int) -> tf.data.Dataset:
+        records = (_empty_records() if self.eval_files is None else self._read(self.eval_files))
+        examples = tf.data.Dataset.zip(tf.data.Dataset.counter(), records)
+        return self._parse_batches(examples, batch_size, drop_remainder=False)
+
+    def train_stream(self, *, seed: int, start_position: int, micro_batch: int,
+                     shard_index: int = 0, num_shards: int = 1) -> tf.data.Dataset:
+        """As `Source.train_stream`, with `sharding` deciding what a shard reads (class docstring).
+
+        With num_shards == 1 this is `Source.train_stream`. Otherwise "stream" keeps the base
+        class's examples (slice shard_index of each global batch) but drops the other slices
+        before parsing them; "files" reads this shard's own files.
+        """
+        if num_shards == 1:
+            return super().train_stream(seed=seed, start_position=start_position, micro_batch=micro_batch,
+                                        shard_index=shard_index, num_shards=num_shards)
+        _check_stream_args(seed, start_position, micro_batch, shard_index, num_shards)
+        with tf.device(_HOST):
+            if self.sharding == "stream":
+                examples = self._train_examples(self.train_files, _shuffle_key(seed), start_position)
+                global_batch = micro_batch * num_shards
+                first = shard_index * micro_batch
+
+                def mine(position, record):
+                    offset = (position - start_position) % global_batch
+                    return (offset >= first) & (offset < first + micro_batch)
+
+                examples = examples.filter(mine)
+            else:
+                if start_position % num_shards:
+                    raise ValueError(f"sharding='files': start_position {start_position} must be a multiple "
+                                     f"of num_shards={num_shards} (examples consumed by all workers)")
+                files = self.train_files[shard_index::num_shards]  # = Dataset.shard(num_shards, shard_index)
+                if not files:
+                    raise DataError(f"{self.name}: sharding='files' with {num_shards} workers needs at least "
+                                    f"{num_shards} train files, found {len(self.train_files)}; use "
+                                    "sharding='stream' or split the data into more files")
+                key = _shuffle_key(seed, shard_index, num_shards)
+                examples = self._train_examples(files, key, start_position // num_shards).map(
+                    lambda position, record: (position * num_shards + shard_index, record))
+            batches = self._parse_batches(examples, micro_batch, drop_remainder=True)
+
+            def prepare(positions, features, labels, weights):
+                seeds = tf.stack([tf.fill(tf.shape(positions), tf.constant(seed, tf.int64)), positions], -1)
+                return self.model_input(features, seeds, training=True), labels, weights
+
+            batches = batches.map(prepare, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+            return batches.prefetch(tf.data.AUTOTUNE)
+
+    # ----------------------------------------------------------------------------------------------
+    # The pipeline
+
+    def _read(self, files: Sequence[str]) -> tf.data.Dataset:
+        """The records of `files`, file after file, each file in its order."""
+        return tf.data.TFRecordDataset(list(files), compression_type=self.compression or "",
+                                       buffer_size=_READ_BUFFER)
+
+    def _epoch(self, files: Sequence[str], key: tf.Tensor, epoch: tf.Tensor) -> tf.data.Dataset:
+        """Epoch `epoch`'s records: all of `files` through a shuffle buffer seeded by (key, epoch)."""
+        records = self._read(files)
+        if self.shuffle_buffer <= 1:
+            return records
+        words = tf.random.stateless_uniform([2], seed=tf.random.experimental.stateless_fold_in(key, epoch),
+                                            minval=None, maxval=None, dtype=tf.int64)
+        # Seeds (0, 0) would make the kernel draw a nondeterministic seed.
+        seed2 = tf.where(tf.reduce_all(tf.equal(words, 0)), tf.constant(1, tf.int64), words[1])
+        # The raw op with explicit seeds: Dataset.shuffle(seed=s) mixes TensorFlow's global seed
+        # into its seeds and, with reshuffle_each_iteration, reshuffles every time the same dataset
+        # is iterated again; both would break the stream's purity.
+        variant = tf.raw_ops.ShuffleDatasetV3(
+            input_dataset=tf.data.experimental.to_variant(records),
+            buffer_size=tf.constant(self.shuffle_buffer, tf.int64), seed=words[0], seed2=seed2,
+            seed_generator=tf.raw_ops.DummySeedGenerator(), reshuffle_each_iteration=False,
+            output_types=[tf.string], output_shapes=[tf.TensorShape([])])
+        return tf.data.experimental.from_variant(variant, records.element_spec)
+
+    def _train_examples(self, files: Sequence[str], key: tf.Tensor, start_position: int) -> tf.data.Dataset:
+        """Infinite (position int64, record string) from `start_position`, not parsed."""
+        first_epoch, first_position = self._skippable_epochs(files, start_position)
+        records = tf.data.Dataset.counter(start=first_epoch).flat_map(
+            lambda epoch: self._epoch(files, key, epoch))
+        examples = tf.data.Dataset.zip(tf.data.Dataset.counter(start=first_position), records)
+        examples = examples.skip(start_position - first_position)
+        options = tf.data.Options()
+        options.deterministic = True
+        return examples.with_options(options)
+
+    def _skippable_epochs(self, files: Sequence[str], start_position: int) -> tuple[int, int]:
+        """(epoch, its first stream position) that the stream at start_position is in, when that
+        epoch can be reached without reading the ones before: counts the records of `files`, up
+        to start_position + 1 of them. Also refuses files that hold no record at all (the stream
+        would wait for ever)."""
+        count = int(self._read(files).take(start_position + 1).reduce(
+            tf.constant(0, tf.int64), lambda n, _: n + 1))
+        if count == 0:
+            raise DataError(f"{self.name}: the train files ({_describe_files(files)}) hold no record")
+        if count <= start_position:  # count is the whole epoch
+            epoch = start_position // count
+            return epoch, epoch * count
+        return 0, 0
+
+    def _parse_batches(self, examples: tf.data.Dataset, batch: int, drop_remainder: bool) -> tf.data.Dataset:
+        """(position, record) -> batches of (positions int64, features, labels, weights float32)."""
+        def parse_one(position, record):
+            return (position, *self._parse_record(record))
+
+        parsed = examples.map(parse_one, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+        return parsed.batch(batch, drop_remainder=drop_remainder)
+
+    def _user_parse(self, record: tf.Tensor) -> tuple:
+        out = self.parse(tf.io.parse_single_example(record, self.features))
+        return tuple(out) if isinstance(out, (list, tuple)) else out
+
+    def _parse_record(self, record: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
+        """One serialized example -> (features, labels, weights float32) of the declared shapes."""
+        out = self._user_parse(record)
+        features = tf.ensure_shape(out[0], self.feature_spec.shape)
+        labels = tf.ensure_shape(out[1], self.label_spec.shape)
+        in_range = tf.reduce_all((labels >= 0) & (labels < self.num_classes))
+        check = tf.debugging.Assert(in_range, [
+            f"{self.name}: a record has a label outside 0..{self.num_classes - 1} "
+            "(pad label sequences with label 0 and weight 0):", labels], summarize=16)
+        with tf.control_dependencies([check]):
+            labels = tf.identity(labels)
+        if self._has_weights:
+            weights = tf.ensure_shape(tf.cast(out[2], tf.float32), self.label_spec.shape)
+        else:
+            weights = tf.ones(self.label_spec.shape, tf.float32)
+        return features, labels, weights
+
+    def _check_parse(self) -> bool:
+        """Traces `parse` on no data and checks what it returns; True when it returns weights."""
+        def trace(autograph: bool):
+            function = (self._user_parse if autograph
+                        else tf.autograph.experimental.do_not_convert(self._user_parse))
+            return _empty_records().map(function).element_spec
+
+        # Traced as plain Python first: an error then names the user's own file and line, where
+        # AutoGraph's would name its generated code. A parse that needs AutoGraph (Python control
+        # flow on tensors) is traced again as the pipeline will run it.
+        try:
+            spec = trace(autograph=False)
+        except UsageError:
+            raise
+        except Exception as plain:  # the user's code may raise anything
+            spec = _retry_user_code(lambda: trace(autograph=True), f"{self.name}: parse", plain)
+        expected = "(features, labels) or (features, labels, weights) tensors"
+        if not isinstance(spec, tuple) or len(spec) not in (2, 3) or not all(
+                isinstance(s, tf.TensorSpec) for s in spec):
+            raise DataError(f"{self.name}: parse returns {spec}: expected {expected}")
+        for what, got, want in (("features", spec[0], self.feature_spec),
+                                ("labels", spec[1], self.label_spec)):
+            if got.dtype != want.dtype or not want.shape.is_compatible_with(got.shape):
+                raise DataError(f"{self.name}: parse returns {what} {got.dtype.name} {_shape(got.shape)}, "
+                                f"but {what[:-1]}_spec says {want.dtype.name} {_shape(want.shape)}")
+        if len(spec) == 3:
+            weights = spec[2]
+            if not (weights.dtype.is_floating or weights.dtype.is_integer) or not \
+                    self.label_spec.shape.is_compatible_with(weights.shape):
+                raise DataError(f"{self.name}: parse returns weights {weights.dtype.name} "
+                                f"{_shape(weights.shape)}: expected numbers of the labels' shape "
+                                f"{_shape(self.label_spec.shape)}")
+        return len(spec) == 3
+
+
+# --------------------------------------------------------------------------------------------------
+# Helpers
+
+
+def _retry_user_code(function: Callable[[], T], what: str, error: BaseException) -> T:
+    """`function()`; if it raises too, `error` (the first attempt's) as a one-line UserCodeError."""
+    try:
+        return function()
+    except UsageError:
+        raise
+    except Exception:  # the user's code may raise anything
+        raise UserCodeError(f"{what}: {where(error)}: {describe(error)}") from error
+
+
+def _check_int(name: str, what: str, value, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+        raise DataError(f"{name}: {what}={value!r}: must be an integer >= {minimum}")
+
+
+def _check_stream_args(seed: int, start_position: int, micro_batch: int, shard_index: int,
+                       num_shards: int) -> None:
+    """The checks of Source.train_stream."""
+    if not 0 <= shard_index < num_shards:
+        raise ValueError(f"shard_index must be in 0..{num_shards - 1}, got {shard_index}")
+    if micro_batch < 1:
+        raise ValueError(f"micro_batch must be >= 1, got {micro_batch}")
+    if start_position < 0:
+        raise ValueError(f"start_position must be >= 0, got {start_position}")
+    if not -(2**63) <= seed < 2**63:
+        raise ValueError(f"seed must fit in int64, got {seed}")
+
+
+def _shuffle_key(seed: int, shard_index: int = 0, num_shards: int = 1) -> tf.Tensor:
+    """int64 [2]: the key of every epoch's shuffle seed; a worker of sharding="files" has its own."""
+    with tf.device(_HOST):
+        key = tf.constant([seed, _SHUFFLE_SALT], tf.int64)
+        if num_shards > 1:
+            key = tf.random.experimental.stateless_fold_in(
+                tf.random.experimental.stateless_fold_in(key, num_shards), shard_index)
+        return key
+
+
+def _shape(shape: tf.TensorShape) -> str:
+    return str(shape.as_list()) if shape.rank is not None else "(unknown shape)"
+
+
+def _empty_records() -> tf.data.Dataset:
+    return tf.data.Dataset.from_tensor_slices(tf.constant([], tf.string))
+
+
+def _describe_files(files: Sequence[str]) -> str:
+    return repr(files[0]) if len(files) == 1 else f"{files[0]!r} and {len(files) - 1} more"
+
+
+def _first_line(error: BaseException) -> str:
+    text = getattr(error, "message", None) or str(error) or type(error).__name__
+    return text.strip().splitlines()[0][:300] if text.strip() else type(error).__name__
+
+
+def _expand(name: str, what: str, patterns: Files) -> list[str]:
+    """Patterns -> files: in the patterns' order, each one's matches sorted, duplicates dropped.
+
+    Raises DataError naming the first pattern that matches no readable file."""
+    if isinstance(patterns, (str, bytes)):
+        patterns = [patterns]
+    patterns = list(patterns)
+    if not patterns:
+        raise DataError(f"{name}: {what} is empty: give at least one file or glob pattern")
+    files: dict[str, None] = {}
+    for pattern in patterns:
+        if not isinstance(pattern, str) or not pattern:
+            raise DataError(f"{name}: {what}: {pattern!r} is not a file name or glob pattern")
+        try:
+            matches = [path for path in sorted(tf.io.gfile.glob(pattern)) if not tf.io.gfile.isdir(path)]
+        except tf.errors.OpError as e:
+            raise DataError(f"{name}: {what}: cannot list {pattern!r}: {_first_line(e)}") from e
+        if not matches:
+            raise DataError(f"{name}: {what}: {pattern!r} matches no file")
+        for path in matches:
+            try:
+                # Opening and reading is the real readability test (os.access says yes to root).
+                with tf.io.gfile.GFile(path, "rb") as f:
+                    f.read(1)
+            except (tf.errors.OpError, OSError) as e:
+                raise DataError(f"{name}: {what}: cannot read {path!r} (matched by {pattern!r}): "
+                                f"{_first_line(e)}") from e
+            files.setdefault(path, None)
+    return list(files)
+
+
+# --------------------------------------------------------------------------------------------------
+# Writing
+
+
+def write_examples(path: str, features: Mapping[str, np.ndarray | Sequence[np.ndarray]],
+                   compression: str | None = None) -> int:
+    """Writes one `tf.train.Example` per row to the TFRecord file `path`; returns the rows written.
+
+    `features` maps a feature name to its rows: an array whose axis 0 counts the rows, or a
+    sequence of per-row arrays (rows may then differ in length, for a VarLenFeature). Each row is
+    flattened into an int64 list (bool and integer dtypes), a float list (floating dtypes; stored
+    as float32) or a bytes list (bytes or str, str as UTF-8). Every feature must have the same
+    number of rows. Read a feature back with ``tf.io.FixedLenFeature(row_shape, tf.int64 /
+    tf.float32 / tf.string)`` or ``tf.io.VarLenFeature(...)``.
+    """
+    if compression not in COMPRESSIONS:
+        raise ValueError(f"compression={compression!r}: must be None, 'ZLIB' or 'GZIP'")
+    if not features:
+        raise ValueError("features is empty: give at least one feature")
+    columns = {}
+    for key, value in features.items():
+        if not isinstance(key, str):
+            raise ValueError(f"feature name {key!r} is not a string")
+        if isinstance(value, np.ndarray) and value.dtype != object:
+            if value.ndim < 1:
+                raise ValueError(f"feature {key!r} is a scalar: axis 0 must count the rows")
+            columns[key] = value
+        else:
+            columns[key] = [np.asarray(row) for row in value]
+    counts = {key: len(rows) for key, rows in columns.items()}
+    if len(set(counts.values())) != 1:
+        raise ValueError(f"features have different numbers of rows: {counts}")
+    count = next(iter(counts.values()))
+    kinds = {key: _list_kind(key, rows) for key, rows in columns.items()}
+    options = tf.io.TFRecordOptions(compression_type=compression or "")
+    with tf.io.TFRecordWriter(path, options) as writer:
+        for i in range(count):
+            example = tf.train.Example()
+            feature_map = example.features.feature
+            for key, rows in columns.items():
+                row = np.asarray(rows[i]).reshape(-1)
+                kind = kinds[key]
+                if kind == "int64":
+                    feature_map[key].int64_list.value.extend(row.astype(np.int64).tolist())
+                elif kind == "float":
+                    feature_map[key].float_list.value.extend(row.astype(np.float32).tolist())
+                else:
+                    feature_map[key].bytes_list.value.extend(
+                        v.encode("utf-8") if isinstance(v, str) else bytes(v) for v in row.tolist())
+            writer.write(example.SerializeToString())
+    return count
+
+
+def _list_kind(key: str, rows) -> str:
+    """"int64", "float" or "bytes" for one feature's rows: by the array's dtype, or for a sequence
+    of rows by the first non-empty row's (every row must be of the same kind)."""
+    if isinstance(rows, np.ndarray):
+        dtypes = [rows.dtype]
+    else:
+        dtypes = [row.dtype for row in rows if row.size]
+    kinds = {_dtype_kind(key, dtype) for dtype in dtypes}
+    if len(kinds) > 1:
+        raise ValueError(f"feature {key!r} mixes rows of {' and '.join(sorted(kinds))}: one kind per feature")
+    return kinds.pop() if kinds else "int64"
+
+
+def _dtype_kind(key: str, dtype: np.dtype) -> str:
+    if dtype == bool or np.issubdtype(dtype, np.integer):
+        return "int64"
+    if np.issubdtype(dtype, np.floating):
+        return "float"
+    if dtype.kind in "SUO":
+        return "bytes"
+    raise ValueError(f"feature {key!r} has dtype {dtype}: expected integers, floats, bytes or str")

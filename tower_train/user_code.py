@@ -1,0 +1,74 @@
+"""Running the user's own code (a --model_module, a data set function, a model's __init__): an
+error there becomes one line that names the user's file and line, never a traceback.
+
+Set the environment variable TOWER_TRAIN_TRACEBACK=1 to have the CLI print the full traceback
+of such an error as well.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+import traceback
+from typing import Callable, TypeVar
+
+from tower_train.errors import UsageError
+
+T = TypeVar("T")
+TRACEBACK_VARIABLE = "TOWER_TRAIN_TRACEBACK"
+_OURS = (os.sep + "tower_train" + os.sep, os.sep + "site-packages" + os.sep, os.sep + "lib" + os.sep + "python")
+
+
+class UserCodeError(UsageError):
+    """The user's own code raised; the message names its file:line. `__cause__` holds the error."""
+
+
+def where(error: BaseException) -> str:
+    """file:line of the innermost frame of the error's traceback that is the user's (not this
+    package's, a library's or Python's); for a SyntaxError, the offending line itself."""
+    if isinstance(error, SyntaxError) and error.filename:
+        return f"{error.filename}:{error.lineno}"
+    frames = traceback.extract_tb(error.__traceback__)
+    mine = [f for f in frames if not any(part in f.filename for part in _OURS)]
+    frame = (mine or frames or [None])[-1]
+    return "?" if frame is None else f"{frame.filename}:{frame.lineno}"
+
+
+def describe(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0][:300]}" if text else type(error).__name__
+
+
+def call_user_code(function: Callable[[], T], what: str) -> T:
+    """`function()`, whose errors are the user's: UsageError passes as it is, any other becomes a
+    UserCodeError "<what>: <file>:<line>: <Type>: <message>"."""
+    try:
+        return function()
+    except UsageError:
+        raise
+    except Exception as e:  # the user's code may raise anything
+        raise UserCodeError(f"{what}: {where(e)}: {describe(e)}") from e
+
+
+def import_user_module(module: str, flag: str) -> None:
+    """Imports the user's module for `flag` (--model_module, --data_module), the current
+    directory first, as `python -m` would find it, whichever way tower-train was started."""
+    cwd = os.getcwd()
+    added = cwd not in sys.path and "" not in sys.path
+    if added:
+        sys.path.insert(0, cwd)
+    try:
+        importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        if e.name and module.startswith(e.name):
+            raise UsageError(f"{flag}={module}: no such module in {cwd} or on PYTHONPATH") from None
+        raise UserCodeError(f"{flag}={module}: {where(e)}: {describe(e)}") from e
+    except UsageError:
+        raise
+    except BaseException as e:  # SyntaxError and anything its top level raises, SystemExit too
+        if isinstance(e, KeyboardInterrupt):
+            raise
+        raise UserCodeError(f"{flag}={module}: {where(e)}: {describe(e)}") from e
+    finally:
+        if added:
+            sys.path.remove(cwd)
