@@ -4,7 +4,7 @@ A network is a `keras.Model` that maps images to logits and owns its loss:
 the per-example data loss and the regularization. It knows nothing of devices,
 flags or optimizers; the trainer decides where it runs and how it is updated.
 
-Subclass it like this (see README, "Adding a model"):
+Subclass it like this (see docs/models.md, "Adding a model"):
 
     @register("tiny_mlp")
     class TinyMLP(TowerModel):
@@ -31,17 +31,19 @@ class TowerModel(keras.Model):
     """A network for tower-train.
 
     Subclasses build their layers in `__init__(self, num_classes, **kwargs)`
-    (passing `**kwargs` on to this class) and implement `call(images,
-    training)`: float32 images [B, 24, 24, 3] -> logits [B, num_classes].
-    BatchNormalization layers come from `self.batch_norm()`, so that
-    `--sync_bn` reaches them (see models/resnet20.py). Subclasses may
-    override `per_example_loss` and `regularization`. The trainer computes
-    each tower's loss as
+    (passing `**kwargs` on to this class) and implement `call(features,
+    training)`: a batch of features as the data source delivers them (float32
+    [B, 24, 24, 3] for the built-in image sets) -> logits [B, ..., num_classes],
+    whose leading axes are the labels' shape. BatchNormalization layers come
+    from `self.batch_norm()`, so that `--sync_bn` reaches them (see
+    models/resnet20.py). Subclasses may override `per_example_loss` (one loss
+    per label, the labels' shape) and `regularization` (a scalar). An update
+    applies the gradient of
 
-        mean(per_example_loss(labels, logits)) + regularization()
+        sum(w * per_example_loss) / sum(w) over all its labels  +  regularization()
 
     so the regularization counts once per update, whatever the number of
-    towers and micro-steps.
+    towers and micro-steps (see tower_train/towers.py).
 
     `call` runs its blocks (a stage, a residual block: a few layers each)
     through `self.run_block(block, x, training)`, because that is where
@@ -105,12 +107,13 @@ class TowerModel(keras.Model):
         return self._runs_blocks
 
     def per_example_loss(self, labels: tf.Tensor, logits: tf.Tensor) -> tf.Tensor:
-        """int labels [B], logits [B, C] -> loss [B]; softmax cross-entropy unless overridden."""
+        """int labels [B, ...], logits [B, ..., C] -> loss [B, ...]; softmax cross-entropy unless
+        overridden."""
         return tf.nn.sparse_softmax_cross_entropy_with_logits(
             labels=tf.cast(labels, tf.int32), logits=tf.cast(logits, tf.float32))
 
     def regularization(self) -> tf.Tensor:
-        """A scalar added to every tower's mean loss; none unless overridden."""
+        """A scalar added once per update to the weighted mean loss; none unless overridden."""
         return tf.constant(0.0)
 
 

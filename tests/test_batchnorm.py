@@ -1,6 +1,6 @@
 """BatchNormalization across towers, replicas and micro-steps, checked against numpy and plain steps.
 
-What one update does to BN (see README, "BatchNorm across towers and micro-steps"):
+What one update does to BN (see docs/batchnorm.md):
 
 - tower mode: every tower's call normalizes its own shard and moves the moving
   statistics (on the parameter device) one EMA step, tower after tower, so an

@@ -21,14 +21,14 @@ def benchmark(*args: str) -> subprocess.CompletedProcess:
 
 def k_and_b(name: str) -> tuple[int, int]:
     """K and B of a configuration name, read here: _kK, and _bB or else --batch_size."""
-    match = re.search(r"_k(\d+)(?:_b(\d+))?(?:_data)?$", name)
+    match = re.search(r"_k(\d+)(?:_b(\d+))?(?:_data|_tfrecord)?$", name)
     return int(match[1]), int(match[2] or BATCH)
 
 
 def test_every_kind_runs_and_the_report_and_json_are_well_formed(tmp_path):
     out = tmp_path / "bench.json"
     names = ["plain_k1", "tower_pscpu_k1", "tower_psgpu_k1", "mirrored_k2", "central_storage_k1",
-             "keras_fit_k2", "tower_pscpu_k2_b2_data"]
+             "keras_fit_k2", "tower_pscpu_k2_b2_data", "tower_pscpu_k2_b2_tfrecord"]
     # An odd number of rounds: the median rate is then the rate of the median time.
     result = benchmark(*TINY, f"--configs={','.join(names)}", "--rounds=3", f"--output_json={out}")
     assert result.returncode == 0, result.stderr
@@ -98,7 +98,8 @@ def test_config_names_parse_and_bad_ones_are_refused():
     assert parse_config_name("tower_pscpu_k8_b32_data", 128) == parse_config_name(
         "tower_pscpu_k8_b32_data", 1)
     bench = parse_config_name("keras_fit_k8", 32)
-    assert (bench.kind, bench.accum, bench.batch_size, bench.from_pipeline) == ("keras_fit", 8, 32, False)
+    assert (bench.kind, bench.accum, bench.batch_size, bench.input) == ("keras_fit", 8, 32, "memory")
+    assert parse_config_name("tower_pscpu_k8_tfrecord", 32).input == "tfrecord"
     bench = parse_config_name("central_storage_k1_b256", 32)
     assert (bench.kind, bench.accum, bench.batch_size) == ("central_storage", 1, 256)
     for bad in ("warp_k2", "tower_k1", "plain_k0", "plain_k1_b0", "plain", "mirrored_k2_data_b4"):
@@ -121,7 +122,10 @@ def test_the_default_suites():
         if "same micro-batch" in note:
             assert benches[a].batch_size == benches[b].batch_size, (a, b, note)
         if "input pipeline vs in memory" in note:
-            assert (benches[a].from_pipeline, benches[b].from_pipeline) == (True, False), (a, b, note)
+            assert (benches[a].input, benches[b].input) == ("data", "memory"), (a, b, note)
+            assert g[a] == g[b], (a, b, note)
+        if "TFRecord files vs in memory" in note:
+            assert (benches[a].input, benches[b].input) == ("tfrecord", "memory"), (a, b, note)
             assert g[a] == g[b], (a, b, note)
     memory_suite = [parse_config_name(n, 32) for n in default_configs("memory", 32)]
     assert {b.batch_size * b.accum for b in memory_suite} == {8 * 32}  # one G, 8 x --batch_size per tower
@@ -132,7 +136,7 @@ def test_the_default_suites():
 
 def test_benchmark_refuses_bad_flags_in_one_line():
     for args, line in [
-            (["--configs=warp_k2"], "tower_train: error: --configs: 'warp_k2' is not KIND_kK[_bB][_data] "
+            (["--configs=warp_k2"], "tower_train: error: --configs: 'warp_k2' is not KIND_kK[_bB][_data|_tfrecord] "
                                     "with KIND in plain, tower_pscpu, tower_psgpu, mirrored, "
                                     "central_storage, keras_fit, K >= 1 and B >= 1"),
             (["--measure=speed"], "tower_train: error: --measure=speed: unknown; allowed: time, memory")]:

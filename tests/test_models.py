@@ -41,6 +41,21 @@ def test_the_readme_script_trains_a_user_network_on_user_arrays(tmp_path):
     assert (tmp_path / "run" / "ckpt-60.index").exists()
 
 
+def test_the_readme_tfrecord_script_streams_its_files_and_trains(tmp_path):
+    script = python_block("README.md", "**Streaming files.**")
+    assert script.count("/tmp/tower_train_records") == 4
+    (tmp_path / "my_records.py").write_text(script.replace("/tmp/tower_train_records",
+                                                           str(tmp_path / "records")))
+    result = subprocess.run([sys.executable, "my_records.py"], cwd=tmp_path, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert re.search(r"step 20: held-out precision @ 1 = [\d.]+ over 256 examples", result.stdout), \
+        result.stdout
+    assert sorted(p.name for p in (tmp_path / "records").iterdir()) == [
+        "eval.tfrecord", "train-0.tfrecord", "train-1.tfrecord"]
+    assert (tmp_path / "records_run" / "ckpt-20.index").exists()
+
+
 USER_MODULE = '''
 import keras
 import numpy as np

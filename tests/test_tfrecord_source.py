@@ -265,14 +265,15 @@ def test_bad_arguments(files):
     one_line_error(DataError, lambda: make_source(files, shuffle_buffer=-1), "shuffle_buffer")
     one_line_error(DataError, lambda: make_source(files, label_spec=tf.TensorSpec([], tf.float32)),
                    "integers")
-    one_line_error(DataError, lambda: make_source(files, feature_spec=tf.TensorSpec([4], tf.float32)),
+    # What parse returns is checked by check(), which fit calls once the devices exist.
+    one_line_error(DataError, lambda: make_source(files, feature_spec=tf.TensorSpec([4], tf.float32)).check(),
                    "features", "[4]")
-    one_line_error(DataError, lambda: make_source(files, parse=lambda e: e["x"]), "parse returns")
+    one_line_error(DataError, lambda: make_source(files, parse=lambda e: e["x"]).check(), "parse returns")
 
     def broken(example):
         return example["no_such_feature"], example["label"]
 
-    one_line_error(UserCodeError, lambda: make_source(files, parse=broken), "parse", "no_such_feature")
+    one_line_error(UserCodeError, lambda: make_source(files, parse=broken).check(), "parse", "no_such_feature")
 
 
 def test_label_outside_the_classes_fails_when_read(files):

@@ -121,6 +121,7 @@ def fit(model: object = None, data: object = None, *, num_classes: int | None = 
         heartbeat()
     source = data if data is not None else data_module.load_source(
         config.dataset, config.data_dir, config.augment)
+    source.check()
     spec = resolve_model(model, config, num_classes, source.num_classes)
     try:
         return trainer.train(config, spec, source, mode, heartbeat or (lambda: None), stop,

@@ -16,13 +16,16 @@ device), against its resident memory once the model was built. A second
 subprocess runs the same configuration at one example per tower (its floor), so
 that the report can tell activations from what every update costs anyway.
 
-A configuration is named KIND_kK[_bB][_data]:
+A configuration is named KIND_kK[_bB][_data|_tfrecord]:
 - KIND, what runs one update (see KINDS);
 - K, micro-steps per update;
 - B, examples per tower per micro-step (default --batch_size), so a configuration
   consumes G = B x towers x K examples per update;
-- _data: batches come from the training input pipeline of --dataset (files,
-  shuffle, --augment distortions) instead of one fixed batch held in memory.
+- _data: batches come from the training input pipeline of --dataset (its arrays,
+  shuffle, --augment distortions) instead of one fixed batch held in memory;
+- _tfrecord: the same examples, written once to TFRecord files in a temporary
+  directory and streamed from there by a `TFRecordSource` (parse, shuffle buffer,
+  the same preprocessing).
 """
 from __future__ import annotations
 
@@ -67,7 +70,8 @@ KINDS = {
     "keras_fit": "Keras 3 model.fit on one device, optimizer.gradient_accumulation_steps = K",
 }
 MEASURES = ("time", "memory")
-_NAME = re.compile(r"^(?P<kind>[a-z_]+?)_k(?P<accum>\d+)(?:_b(?P<batch>\d+))?(?P<data>_data)?$")
+_NAME = re.compile(r"^(?P<kind>[a-z_]+?)_k(?P<accum>\d+)(?:_b(?P<batch>\d+))?(?:_(?P<input>data|tfrecord))?$")
+INPUTS = ("memory", "data", "tfrecord")  # one fixed batch; the source's pipeline; streamed files
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,18 +82,18 @@ class BenchConfig:
     kind: str
     accum: int  # K
     batch_size: int  # B, per tower per micro-step
-    from_pipeline: bool  # batches from the training input pipeline, not one fixed in-memory batch
+    input: str  # one of INPUTS
 
 
 def parse_config_name(name: str, default_batch_size: int) -> BenchConfig:
-    """'tower_pscpu_k8_b32_data' -> BenchConfig(kind='tower_pscpu', accum=8, batch_size=32, from_pipeline=True)."""
+    """'tower_pscpu_k8_b32_data' -> BenchConfig(kind='tower_pscpu', accum=8, batch_size=32, input='data')."""
     match = _NAME.match(name)
     if not match or match["kind"] not in KINDS or int(match["accum"]) < 1 or (
             match["batch"] is not None and int(match["batch"]) < 1):
-        raise UsageError(f"--configs: {name!r} is not KIND_kK[_bB][_data] with KIND in "
+        raise UsageError(f"--configs: {name!r} is not KIND_kK[_bB][_data|_tfrecord] with KIND in "
                          f"{', '.join(KINDS)}, K >= 1 and B >= 1")
     batch = default_batch_size if match["batch"] is None else int(match["batch"])
-    return BenchConfig(name, match["kind"], int(match["accum"]), batch, match["data"] is not None)
+    return BenchConfig(name, match["kind"], int(match["accum"]), batch, match["input"] or "memory")
 
 
 def default_configs(measure: str, batch_size: int) -> list[str]:
@@ -102,7 +106,7 @@ def default_configs(measure: str, batch_size: int) -> list[str]:
     if measure == "memory":
         return [f"tower_pscpu_k{k}_b{batch_size * 8 // k}" for k in (1, 2, 4, 8)]
     return ([f"{kind}_k{k}" for kind in KINDS for k in (1, 8)]
-            + [f"tower_pscpu_k1_b{batch_size * 8}", "tower_pscpu_k8_data"])
+            + [f"tower_pscpu_k1_b{batch_size * 8}", "tower_pscpu_k8_data", "tower_pscpu_k8_tfrecord"])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,7 +137,9 @@ def build_workload(bench: BenchConfig, config: TrainConfig, plan: DevicePlan) ->
     micro = bench.batch_size * len(plan.tower_devices)
     source = data.load_source(config.dataset, config.data_dir, config.augment)
     spec = resolve_model(None, config, None, source.num_classes)
-    if bench.from_pipeline:
+    if bench.input == "tfrecord":
+        source = _records_of(source)
+    if bench.input != "memory":
         dataset = source.train_stream(seed=config.seed, start_position=0, micro_batch=micro)
     else:
         example = source.example_input()
@@ -148,6 +154,42 @@ def build_workload(bench: BenchConfig, config: TrainConfig, plan: DevicePlan) ->
     run = builder(config, plan, dataset, lambda scope: build_state(config, spec, source, scope),
                   source.train_size)
     return Workload(run, micro * bench.accum)
+
+
+@functools.cache
+def _records_of(source):
+    """The training examples of an ArraySource written to TFRecord files (once per process, in a
+    temporary directory removed at exit), streamed back by a TFRecordSource with the same
+    preprocessing: images as raw bytes, so parsing is a decode_raw."""
+    import atexit
+    import shutil
+    import tempfile
+
+    import numpy as np
+    import tensorflow as tf
+
+    from tower_train.tfrecord_source import TFRecordSource, write_examples
+
+    directory = tempfile.mkdtemp(prefix="tower_train_benchmark_records.")
+    atexit.register(shutil.rmtree, directory, ignore_errors=True)
+    files = 8  # several files, as a real data set has
+    for i, rows in enumerate(np.array_split(np.arange(source.train_size), files)):
+        write_examples(f"{directory}/train-{i}.tfrecord",
+                       {"features": [source.train_features[r].tobytes() for r in rows],
+                        "labels": source.train_labels[rows]})
+    shape, dtype = source.feature_spec.shape, source.feature_spec.dtype
+
+    def parse(example):
+        features = tf.reshape(tf.io.decode_raw(example["features"], dtype), shape)
+        return features, tf.cast(example["labels"], tf.int32)
+
+    return TFRecordSource(
+        f"{directory}/train-*.tfrecord", features={
+            "features": tf.io.FixedLenFeature([], tf.string),
+            "labels": tf.io.FixedLenFeature(source.label_spec.shape, tf.int64)},
+        parse=parse, feature_spec=source.feature_spec, label_spec=source.label_spec,
+        num_classes=source.num_classes, train_size=source.train_size, preprocess=source.preprocess,
+        name=f"{source.name} as TFRecord files")
 
 
 def _mode(config: TrainConfig, plan: DevicePlan, dataset, new_state: Callable,
@@ -299,7 +341,8 @@ def comparisons(names: list[str], batch_size: int) -> list[tuple[str, str, str]]
                   (f"tower_pscpu_k{k}", f"keras_fit_k{k}", "goal <= 1.0")]
     pairs += [("tower_pscpu_k8", "tower_pscpu_k1", "same micro-batch; goal <= 1.0"),
               ("tower_pscpu_k8", f"tower_pscpu_k1_b{batch_size * 8}", "same G, micro-batch 8x smaller"),
-              ("tower_pscpu_k8_data", "tower_pscpu_k8", "input pipeline vs in memory; goal <= 1.05")]
+              ("tower_pscpu_k8_data", "tower_pscpu_k8", "input pipeline vs in memory; goal <= 1.05"),
+              ("tower_pscpu_k8_tfrecord", "tower_pscpu_k8", "streamed TFRecord files vs in memory; goal <= 1.05")]
     present = set(names)
     return [pair for pair in pairs if pair[0] in present and pair[1] in present]
 
@@ -357,7 +400,7 @@ _LIVE_RSS = {"MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}
 def floor_config(bench: BenchConfig) -> str:
     """The same configuration at one example per tower: what its updates add to the process
     besides activations (thread pools, weight copies, gradients and their sums, the update)."""
-    return f"{bench.kind}_k{bench.accum}_b1" + ("_data" if bench.from_pipeline else "")
+    return f"{bench.kind}_k{bench.accum}_b1" + ("" if bench.input == "memory" else f"_{bench.input}")
 
 
 def measure_memory(benches: list[BenchConfig], argv: list[str]) -> list[dict]:

@@ -120,6 +120,11 @@ class Source(abc.ABC):
             dataset = dataset.map(prepare, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
             return dataset.prefetch(tf.data.AUTOTUNE)
 
+    def check(self) -> None:
+        """Checks what needs TensorFlow running (a streaming source's parse function); `fit` calls
+        it once the devices exist, since starting TensorFlow's runtime earlier would keep it from
+        creating them. Raises DataError in one line."""
+
     def model_input(self, features: tf.Tensor, seeds: tf.Tensor, training: bool) -> tf.Tensor:
         """A batch of raw features as the model takes it."""
         if self.preprocess is None:

@@ -168,7 +168,8 @@ def apply_device_plan(plan: DevicePlan) -> None:
     if missing:
         raise UsageError(
             f"devices {', '.join(missing)} do not exist and TensorFlow is already initialised; "
-            f"the logical devices are: {', '.join(sorted(existing))}")
+            f"the logical devices are: {', '.join(sorted(existing))} (call tower_train.fit before "
+            "any other TensorFlow work in the process, so that it can create them)")
 
 
 def canonical_device(device: str) -> str:

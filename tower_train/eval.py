@@ -80,6 +80,7 @@ def evaluate_checkpoint(model: object = None, data: object = None, *, checkpoint
     info = checkpoints.find_checkpoint(checkpoint, config.train_dir)
     source = data if data is not None else data_module.load_source(
         config.dataset, config.data_dir, config.augment)
+    source.check()
     spec = resolve_model(model, config, num_classes, source.num_classes)
     with_average = use_ema and info.has_moving_average
     with tf.device(plan.param_device):

@@ -7,7 +7,7 @@
 - `central_storage`: `tf.distribute.experimental.CentralStorageStrategy`, TF's
   own variables-on-one-device strategy, over the same towers and parameter device.
 
-All four apply the same update: the mean gradient over the G examples
+All four apply the same update: the gradient of the weighted mean loss over the G examples
 (`strategy_mode` for the three strategies).
 """
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The learning rate as a function of the update index, and the moving average of the weights.
 
 Both advance once per **update**: the schedule reads `optimizer.iterations`,
-which only `apply_gradients` moves, once per applied update; the moving
+which only `UpdateRule.apply` moves, once per applied update; the moving
 average is updated right after it. A micro-step moves neither, so neither
 depends on how G is factored into towers and micro-steps.
 """

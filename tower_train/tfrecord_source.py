@@ -7,6 +7,8 @@ bounded by the shuffle buffer, the read buffers and a few batches, whatever the 
 
 from __future__ import annotations
 
+import os
+
 from typing import Callable, Mapping, Sequence, TypeVar, Union
 
 import numpy as np
@@ -88,7 +90,8 @@ class TFRecordSource(Source):
         of each file). eval_files None: no held-out set (evaluation counts no example).
       features: name -> `tf.io.FixedLenFeature`, `VarLenFeature`, ... for parse_single_example.
       parse: dict of one parsed example -> (features, labels) or (features, labels, weights).
-        Traced once here on no data, to check what it returns against the specs.
+        Traced once on no data by `check` (which `fit` calls), to check what it returns
+        against the specs.
       feature_spec, label_spec: one example's features and labels (fully known shape, dtype);
         labels of an integer dtype.
       num_classes: labels lie in 0 .. num_classes - 1 (checked as examples are read).
@@ -104,7 +107,7 @@ class TFRecordSource(Source):
     Raises:
       DataError: an unusable argument, a pattern that matches no readable file, or a `parse`
         whose results do not fit the specs, in one line naming it.
-      UserCodeError: `parse` raised while traced (one line with its file:line).
+      UserCodeError: `parse` raised while traced (one line with its file:line); from `check`.
     """
 
     def __init__(self, train_files: Files, eval_files: Files | None = None, *,
@@ -149,7 +152,7 @@ class TFRecordSource(Source):
         self.compression = compression or None
         self.train_files = _expand(name, "train_files", train_files)
         self.eval_files = None if eval_files is None else _expand(name, "eval_files", eval_files)
-        self._has_weights = self._check_parse()
+        self._returns_weights: bool | None = None  # known once `check` has traced parse
 
     # ----------------------------------------------------------------------------------------------
     # The Source interface
@@ -282,11 +285,26 @@ class TFRecordSource(Source):
             "(pad label sequences with label 0 and weight 0):", labels], summarize=16)
         with tf.control_dependencies([check]):
             labels = tf.identity(labels)
-        if self._has_weights:
+        if self.returns_weights:
             weights = tf.ensure_shape(tf.cast(out[2], tf.float32), self.label_spec.shape)
         else:
             weights = tf.ones(self.label_spec.shape, tf.float32)
         return features, labels, weights
+
+    @property
+    def returns_weights(self) -> bool:
+        if self._returns_weights is None:
+            self.check()
+        return bool(self._returns_weights)
+
+    def check(self) -> None:
+        """Traces `parse` on no data and checks what it returns against the specs.
+
+        Not done in the constructor: tracing starts TensorFlow's runtime, after which `fit` could
+        no longer create the logical devices. `fit` calls it once the devices exist.
+        """
+        if self._returns_weights is None:
+            self._returns_weights = self._check_parse()
 
     def _check_parse(self) -> bool:
         """Traces `parse` on no data and checks what it returns; True when it returns weights."""
@@ -426,7 +444,8 @@ def write_examples(path: str, features: Mapping[str, np.ndarray | Sequence[np.nd
     flattened into an int64 list (bool and integer dtypes), a float list (floating dtypes; stored
     as float32) or a bytes list (bytes or str, str as UTF-8). Every feature must have the same
     number of rows. Read a feature back with ``tf.io.FixedLenFeature(row_shape, tf.int64 /
-    tf.float32 / tf.string)`` or ``tf.io.VarLenFeature(...)``.
+    tf.float32 / tf.string)`` or ``tf.io.VarLenFeature(...)``. The file's directory is made
+    if it does not exist.
     """
     if compression not in COMPRESSIONS:
         raise ValueError(f"compression={compression!r}: must be None, 'ZLIB' or 'GZIP'")
@@ -448,6 +467,7 @@ def write_examples(path: str, features: Mapping[str, np.ndarray | Sequence[np.nd
     count = next(iter(counts.values()))
     kinds = {key: _list_kind(key, rows) for key, rows in columns.items()}
     options = tf.io.TFRecordOptions(compression_type=compression or "")
+    tf.io.gfile.makedirs(os.path.dirname(path) or ".")
     with tf.io.TFRecordWriter(path, options) as writer:
         for i in range(count):
             example = tf.train.Example()

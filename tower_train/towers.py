@@ -60,7 +60,14 @@ def tower_loss_and_gradients(
         if loss_scale is not None:
             objective = objective * loss_scale
     gradients = tape.gradient(objective, model.trainable_variables)
-    return weighted_loss_sum, tf.reduce_sum(weights), gradients
+    return weighted_loss_sum, tf.reduce_sum(weights), dense(gradients, model.trainable_variables)
+
+
+def dense(gradients: Sequence[tf.Tensor | tf.IndexedSlices | None], variables) -> list[tf.Tensor]:
+    """Gradients as dense tensors, as the accumulators hold them: an embedding's IndexedSlices
+    made dense, and zeros for a variable the loss does not reach."""
+    return [tf.zeros(v.shape, v.dtype) if g is None else tf.convert_to_tensor(g)
+            for g, v in zip(gradients, variables, strict=True)]
 
 
 def tower_function(
@@ -84,8 +91,7 @@ def regularization_gradients(model: TowerModel) -> tuple[tf.Tensor, list[tf.Tens
     with tf.GradientTape() as tape:
         regularization = tf.cast(model.regularization(), tf.float32)
     gradients = tape.gradient(regularization, model.trainable_variables)
-    return regularization, [tf.zeros(v.shape, v.dtype) if g is None else g
-                            for g, v in zip(gradients, model.trainable_variables, strict=True)]
+    return regularization, dense(gradients, model.trainable_variables)
 
 
 def run_on_towers(

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+import sysconfig
 import traceback
 from typing import Callable, TypeVar
 
@@ -16,7 +17,11 @@ from tower_train.errors import UsageError
 
 T = TypeVar("T")
 TRACEBACK_VARIABLE = "TOWER_TRAIN_TRACEBACK"
-_OURS = (os.sep + "tower_train" + os.sep, os.sep + "site-packages" + os.sep, os.sep + "lib" + os.sep + "python")
+# Frames under these directories are not the user's: this package (and tower_train.models, which
+# lives in the repository's models/ folder), the installed libraries and Python's own.
+_NOT_THE_USERS = tuple(os.path.join(os.path.realpath(path), "") for path in (
+    os.path.dirname(__file__), os.path.join(os.path.dirname(os.path.dirname(__file__)), "models"),
+    *{sysconfig.get_paths()[key] for key in ("stdlib", "purelib", "platlib")}))
 
 
 class UserCodeError(UsageError):
@@ -29,7 +34,8 @@ def where(error: BaseException) -> str:
     if isinstance(error, SyntaxError) and error.filename:
         return f"{error.filename}:{error.lineno}"
     frames = traceback.extract_tb(error.__traceback__)
-    mine = [f for f in frames if not any(part in f.filename for part in _OURS)]
+    mine = [f for f in frames if not os.path.realpath(f.filename).startswith(_NOT_THE_USERS)
+            and not f.filename.startswith("<")]
     frame = (mine or frames or [None])[-1]
     return "?" if frame is None else f"{frame.filename}:{frame.lineno}"
 

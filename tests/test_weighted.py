@@ -1,0 +1,179 @@
+"""A user's network on a user's ArraySource, and weighted per-token losses: every layout of one G,
+in tower and mirrored mode, applies the one-big-batch step normalized by the update's total weight.
+
+The reference is computed here, independently: a plain GradientTape on one device over the G
+examples of the update, loss = sum(w * loss) / sum(w) + regularization, then plain SGD.
+"""
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tower_train
+from tower_train.models import l2_loss
+from helpers import make_run, synthetic_batches, weights
+
+LR = 0.5
+G = 48
+LAYOUTS = [(48, 1, 1), (12, 2, 2), (6, 4, 2), (4, 3, 4), (2, 8, 3)]  # batch, towers, accum
+# Every layout in tower mode; mirrored, whose equality with tower mode test_modes.py checks update
+# by update, in the two layouts that exercise both towers and micro-steps.
+CASES = [("tower", layout) for layout in LAYOUTS] + [("mirrored", (12, 2, 2)), ("mirrored", (4, 3, 4))]
+IDS = [f"{mode}-{b}x{n}x{k}" for mode, (b, n, k) in CASES]
+CLASSES = 12  # more than CIFAR's 10
+STEPS, FEATURES = 5, 3  # a user's "time series" per example: [5, 3], nothing like an image
+
+
+class SeriesNet(tower_train.TowerModel):
+    """float32 [B, 5, 3] -> logits [B, 12]."""
+
+    def __init__(self, num_classes: int = CLASSES, **kwargs):
+        super().__init__(num_classes, **kwargs)
+        self.flatten = keras.layers.Flatten()
+        self.hidden = keras.layers.Dense(16, activation="tanh")
+        self.logits = keras.layers.Dense(num_classes)
+
+    def call(self, series, training=False):
+        return self.logits(self.hidden(self.flatten(series)))
+
+    def regularization(self):
+        return 1e-3 * l2_loss(self.hidden.kernel)
+
+
+class Tagger(tower_train.TowerModel):
+    """Token ids [B, T] -> logits [B, T, C]: each token sees itself and the sequence's mean."""
+
+    def __init__(self, num_classes: int = 7, **kwargs):
+        super().__init__(num_classes, **kwargs)
+        self.embed = keras.layers.Embedding(20, 8)
+        self.logits = keras.layers.Dense(num_classes)
+
+    def call(self, tokens, training=False):
+        x = self.embed(tokens)
+        return self.logits(x + tf.reduce_mean(x, axis=1, keepdims=True))
+
+    def regularization(self):
+        return 1e-3 * l2_loss(self.logits.kernel)
+
+
+def series_source():
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(G * 2, STEPS, FEATURES)).astype(np.float32)
+    y = rng.integers(0, CLASSES, G * 2)
+    return tower_train.ArraySource(train_features=x, train_labels=y, shuffle=False)
+
+
+def token_source(weighted=True):
+    """G sequences of up to 8 tokens, padded with weight 0; the first half hold 1 real token,
+    the second half 8, so in most layouts some shards hold far fewer real tokens than others."""
+    rng = np.random.default_rng(4)
+    tokens = rng.integers(1, 20, (G, 8))
+    labels = (tokens * 3 + np.roll(tokens, 1, axis=1)) % 7
+    lengths = np.where(np.arange(G) < G // 2, 1, 8)
+    mask = (np.arange(8)[None, :] < lengths[:, None]).astype(np.float32)
+    return tower_train.ArraySource(train_features=tokens * mask.astype(np.int64), train_labels=labels * mask.astype(np.int64),
+                                   train_weights=mask if weighted else None, shuffle=False)
+
+
+def one_big_batch_step(model, source, normalize=None):
+    """Plain SGD on the first G examples of the (unshuffled) source, on one device; `normalize`
+    maps (losses [G, ...], weights) to the data loss, by default sum(w * loss) / sum(w)."""
+    x, y, w = (tf.constant(a[:G]) for a in (source.train_features, source.train_labels,
+                                             source.train_weights))
+    normalize = normalize or (lambda losses, w: tf.reduce_sum(losses * w) / tf.reduce_sum(w))
+    with tf.device("/cpu:0"), tf.GradientTape() as tape:
+        losses = model.per_example_loss(y, model(x, training=True))
+        loss = normalize(losses, w) + model.regularization()
+    grads = tape.gradient(loss, model.trainable_variables)
+    return float(loss), [v.numpy() - LR * tf.convert_to_tensor(g).numpy()
+                         for v, g in zip(model.trainable_variables, grads)]
+
+
+def run_one_update(model, source, mode, layout):
+    batch, towers, accum = layout
+    run = make_run(model=model, source=source, mode=mode, num_gpus=towers, accum=accum,
+                   batch_size=batch, optimizer="sgd", learning_rate=LR, ema_decay=0.0)
+    expected_loss, expected = one_big_batch_step(run.state.model, source)
+    result = run.inner.run_update(synthetic_batches(run, source))
+    return run, result, expected_loss, expected
+
+
+@pytest.mark.parametrize("mode,layout", CASES, ids=IDS)
+def test_a_users_network_on_its_arrays_is_one_big_batch_in_every_layout(mode, layout):
+    run, result, expected_loss, expected = run_one_update(SeriesNet, series_source(), mode, layout)
+    assert result.applied and result.total_weight == G
+    assert result.loss == pytest.approx(expected_loss, rel=1e-5)
+    for got, want in zip(weights(run.state.model), expected, strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode,layout", CASES, ids=IDS)
+def test_padded_sequences_are_normalized_by_the_updates_total_weight(mode, layout):
+    source = token_source()
+    run, result, expected_loss, expected = run_one_update(Tagger, source, mode, layout)
+    real_tokens = float(source.train_weights[:G].sum())
+    assert result.applied and result.total_weight == real_tokens == 24 * 1 + 24 * 8
+    assert result.loss == pytest.approx(expected_loss, rel=1e-5)
+    for got, want in zip(weights(run.state.model), expected, strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_mean_of_shard_means_would_be_far_off():
+    """The error the weighted rule avoids: in layout 12x2x2 the first micro-step's shards hold
+    12 real tokens each and the second's 96; averaging the four shard means weighs a token of
+    the short sequences 8 times more."""
+    source = token_source()
+    run = make_run(model=Tagger, source=source, num_gpus=2, accum=2, batch_size=12,
+                   optimizer="sgd", learning_rate=LR, ema_decay=0.0)
+    model = run.state.model
+
+    def mean_of_shard_means(losses, w):
+        shards = [(losses[i:i + 12], w[i:i + 12]) for i in range(0, G, 12)]
+        return tf.add_n([tf.reduce_sum(l * s) / tf.reduce_sum(s) for l, s in shards]) / len(shards)
+
+    _, right = one_big_batch_step(model, source)
+    _, wrong = one_big_batch_step(model, source, mean_of_shard_means)
+    gap = max(np.abs(r - w).max() for r, w in zip(right, wrong))
+    assert gap > 100 * 1e-5  # a hundred times the tolerance the layouts are held to
+    run.inner.run_update(synthetic_batches(run, source))
+    got = weights(model)
+    assert max(np.abs(g - r).max() for g, r in zip(got, right)) < 1e-5
+    assert max(np.abs(g - w).max() for g, w in zip(got, wrong)) > 100 * 1e-5
+
+
+@pytest.mark.parametrize("mode", ["tower", "mirrored"])
+def test_an_update_whose_weights_are_all_zero_is_refused_and_changes_nothing(mode):
+    source = token_source()
+    run = make_run(model=Tagger, source=source, mode=mode, num_gpus=2, accum=2, batch_size=4,
+                   optimizer="momentum", learning_rate=LR)
+    stream = synthetic_batches(run, source)
+    empty = [(x, y, tf.zeros_like(w)) for x, y, w in (next(stream), next(stream))]
+    before = weights(run.state.model)
+    result = run.inner.run_update(iter(empty))
+    assert not result.applied and result.empty and result.total_weight == 0
+    assert np.isfinite(result.loss)
+    assert run.state.step.numpy() == 0 and run.state.optimizer.iterations.numpy() == 0
+    for got, want in zip(weights(run.state.model), before):
+        np.testing.assert_array_equal(got, want)
+    assert run.inner.run_update(stream).applied  # and the next one trains
+
+
+def test_held_out_precision_counts_weighted_tokens():
+    from tower_train.evaluation import evaluate
+
+    tokens = np.array([[1, 2, 3], [4, 5, 6]])
+    labels = np.array([[1, 2, 0], [4, 0, 0]])
+    mask = np.array([[1, 1, 0], [1, 0, 0]], np.float32)
+    source = tower_train.ArraySource(tokens, labels, eval_features=tokens, eval_labels=labels,
+                                     eval_weights=mask, num_classes=7)
+
+    class Echo(tower_train.TowerModel):  # predicts the token id itself
+        def call(self, tokens, training=False):
+            return tf.one_hot(tokens, 7)
+
+    precision, examples = evaluate(Echo(7), source, 1, ["/cpu:1", "/cpu:2"])
+    # Real tokens: 1->1 right, 2->2 right, 4->4 right; padding (weight 0) does not count.
+    assert (precision, examples) == (1.0, 2)
+    wrong = tower_train.ArraySource(tokens, labels, eval_features=tokens, eval_labels=labels,
+                                    num_classes=7)
+    assert evaluate(Echo(7), wrong, 2, ["/cpu:1"])[0] == pytest.approx(3 / 6)
