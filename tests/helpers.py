@@ -39,7 +39,7 @@ def make_run(model=None, source: data.Source | None = None, **overrides) -> Run:
     mode = build_mode(config, plan)
     spec = resolve_model(model, config, None, source.num_classes)
     state = build_state(config, spec, source, mode.variable_scope())
-    return Run(config, state, mode.inner_step(state, config.accum, config.clip_norm), plan.tower_devices,
+    return Run(config, state, mode.inner_step(state, config), plan.tower_devices,
                plan.param_device)
 
 

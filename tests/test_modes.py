@@ -103,12 +103,12 @@ def free_port():
         return s.getsockname()[1]
 
 
-def start_workers(train_dir, count, extra=(), start=None):
+def start_workers(train_dir, count, extra=(), cwd=ROOT):
     addresses = [f"127.0.0.1:{free_port()}" for _ in range(2)]
     return [subprocess.Popen(
         [sys.executable, "-m", "tower_train", "--mode=multi_worker", "--num_gpus=1",
          f"--train_dir={train_dir}", *extra],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env={**os.environ, "TF_CONFIG": worker_config(addresses, i)})
         for i in range(count)]
 

@@ -4,6 +4,8 @@ in tower and mirrored mode, applies the one-big-batch step normalized by the upd
 The reference is computed here, independently: a plain GradientTape on one device over the G
 examples of the update, loss = sum(w * loss) / sum(w) + regularization, then plain SGD.
 """
+import re
+
 import keras
 import numpy as np
 import pytest
@@ -12,14 +14,20 @@ import tensorflow as tf
 import tower_train
 from tower_train.models import l2_loss
 from helpers import make_run, synthetic_batches, weights
+from test_cli_errors import run_cli
+from test_modes import kill_running, start_workers
+from test_train import checkpoint_values
 
 LR = 0.5
 G = 48
 LAYOUTS = [(48, 1, 1), (12, 2, 2), (6, 4, 2), (4, 3, 4), (2, 8, 3)]  # batch, towers, accum
 # Every layout in tower mode; mirrored, whose equality with tower mode test_modes.py checks update
 # by update, in the two layouts that exercise both towers and micro-steps.
-CASES = [("tower", layout) for layout in LAYOUTS] + [("mirrored", (12, 2, 2)), ("mirrored", (4, 3, 4))]
-IDS = [f"{mode}-{b}x{n}x{k}" for mode, (b, n, k) in CASES]
+CASES = [("tower", layout, None) for layout in LAYOUTS] + [
+    ("mirrored", (12, 2, 2), None), ("mirrored", (4, 3, 4), None),
+    # Uneven towers (--tower_split): 12 and 4 examples per micro-step, then 2, 2 and 8.
+    ("tower", (8, 2, 3), "3,1"), ("tower", (4, 3, 4), "1,1,4")]
+IDS = [f"{mode}-{b}x{n}x{k}" + (f"-split{split}" if split else "") for mode, (b, n, k), split in CASES]
 CLASSES = 12  # more than CIFAR's 10
 STEPS, FEATURES = 5, 3  # a user's "time series" per example: [5, 3], nothing like an image
 
@@ -89,28 +97,29 @@ def one_big_batch_step(model, source, normalize=None):
                          for v, g in zip(model.trainable_variables, grads)]
 
 
-def run_one_update(model, source, mode, layout):
+def run_one_update(model, source, mode, layout, split=None):
     batch, towers, accum = layout
     run = make_run(model=model, source=source, mode=mode, num_gpus=towers, accum=accum,
-                   batch_size=batch, optimizer="sgd", learning_rate=LR, ema_decay=0.0)
+                   batch_size=batch, tower_split=split, optimizer="sgd", learning_rate=LR,
+                   ema_decay=0.0)
     expected_loss, expected = one_big_batch_step(run.state.model, source)
     result = run.inner.run_update(synthetic_batches(run, source))
     return run, result, expected_loss, expected
 
 
-@pytest.mark.parametrize("mode,layout", CASES, ids=IDS)
-def test_a_users_network_on_its_arrays_is_one_big_batch_in_every_layout(mode, layout):
-    run, result, expected_loss, expected = run_one_update(SeriesNet, series_source(), mode, layout)
+@pytest.mark.parametrize("mode,layout,split", CASES, ids=IDS)
+def test_a_users_network_on_its_arrays_is_one_big_batch_in_every_layout(mode, layout, split):
+    run, result, expected_loss, expected = run_one_update(SeriesNet, series_source(), mode, layout, split)
     assert result.applied and result.total_weight == G
     assert result.loss == pytest.approx(expected_loss, rel=1e-5)
     for got, want in zip(weights(run.state.model), expected, strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("mode,layout", CASES, ids=IDS)
-def test_padded_sequences_are_normalized_by_the_updates_total_weight(mode, layout):
+@pytest.mark.parametrize("mode,layout,split", CASES, ids=IDS)
+def test_padded_sequences_are_normalized_by_the_updates_total_weight(mode, layout, split):
     source = token_source()
-    run, result, expected_loss, expected = run_one_update(Tagger, source, mode, layout)
+    run, result, expected_loss, expected = run_one_update(Tagger, source, mode, layout, split)
     real_tokens = float(source.train_weights[:G].sum())
     assert result.applied and result.total_weight == real_tokens == 24 * 1 + 24 * 8
     assert result.loss == pytest.approx(expected_loss, rel=1e-5)
@@ -177,3 +186,65 @@ def test_held_out_precision_counts_weighted_tokens():
     wrong = tower_train.ArraySource(tokens, labels, eval_features=tokens, eval_labels=labels,
                                     num_classes=7)
     assert evaluate(Echo(7), wrong, 2, ["/cpu:1"])[0] == pytest.approx(3 / 6)
+
+
+TOKENS_MODULE = """
+import keras
+import numpy as np
+import tensorflow as tf
+
+import tower_train
+from tower_train.models import l2_loss, register
+
+
+@register("test_tagger")
+class Tagger(tower_train.TowerModel):
+    def __init__(self, num_classes, **kwargs):
+        super().__init__(num_classes, **kwargs)
+        self.embed = keras.layers.Embedding(20, 8)
+        self.logits = keras.layers.Dense(num_classes)
+
+    def call(self, tokens, training=False):
+        x = self.embed(tokens)
+        return self.logits(x + tf.reduce_mean(x, axis=1, keepdims=True))
+
+    def regularization(self):
+        return 1e-3 * l2_loss(self.logits.kernel)
+
+
+@tower_train.data.register("test_padded_tokens")
+def padded_tokens():
+    # Positions 0-3 of every 8 hold one real token, 4-7 eight: with two workers of 4 examples
+    # per micro-step, worker 0 counts 4 tokens and worker 1 counts 32.
+    rng = np.random.default_rng(4)
+    tokens = rng.integers(1, 20, (64, 8))
+    lengths = np.where(np.arange(64) % 8 < 4, 1, 8)
+    mask = (np.arange(8)[None, :] < lengths[:, None])
+    return tower_train.ArraySource(tokens * mask, (tokens * 3) % 7 * mask, mask.astype(np.float32),
+                                   shuffle=False, num_classes=7, name="test_padded_tokens")
+"""
+TOKENS = ["--model_module=weighted_tokens", "--model=test_tagger", "--data_module=weighted_tokens",
+          "--dataset=test_padded_tokens", "--batch_size=4", "--accum=2", "--max_steps=3",
+          "--optimizer=sgd", "--learning_rate=0.5", "--ema_decay=0", "--log_every=1"]
+
+
+@pytest.mark.cpu_only  # multi_worker without a GPU: one CPU replica per worker, ring all-reduce
+def test_two_workers_with_unequal_token_counts_apply_tower_modes_weighted_updates(tmp_path):
+    (tmp_path / "weighted_tokens.py").write_text(TOKENS_MODULE)
+    workers = start_workers(tmp_path / "mw", 2, [*TOKENS, "--collective_timeout=60"], cwd=tmp_path)
+    try:
+        logs = [w.communicate(timeout=240) for w in workers]
+    finally:
+        kill_running(workers)
+    for worker, (_, err) in zip(workers, logs):
+        assert worker.returncode == 0, err[-3000:]
+    tower = run_cli("--num_gpus=2", f"--train_dir={tmp_path / 'tower'}", *TOKENS, cwd=tmp_path)
+    assert tower.returncode == 0, tower.stderr[-3000:]
+    multi, single = checkpoint_values(str(tmp_path / "mw")), checkpoint_values(str(tmp_path / "tower"))
+    names = [n for n in single if n.startswith("model/")]
+    assert names and multi.keys() == single.keys()
+    for name in names:
+        np.testing.assert_allclose(multi[name], single[name], rtol=1e-5, atol=1e-6, err_msg=name)
+    # The logged losses agree too: the weighted mean over both workers' tokens.
+    losses = [re.findall(r"step \d+, loss = ([\d.]+) \(", log) for log in (logs[0][1], tower.stderr)]
+    assert losses[0] == losses[1] and len(losses[0]) == 3

@@ -199,7 +199,7 @@ def _mode(config: TrainConfig, plan: DevicePlan, dataset, new_state: Callable,
 
     mode = build_mode(config, plan)
     state = new_state(mode.variable_scope())
-    inner = mode.inner_step(state, config.accum, config.clip_norm, config.jit_compile)
+    inner = mode.inner_step(state, config)
     batches = iter(dataset)
 
     def run(updates: int) -> float:

@@ -106,7 +106,7 @@ def compare_modes(config: TrainConfig, plan: DevicePlan, modes: list[str]) -> di
         mode = build_mode(mode_config, plan)
         # build_state reseeds, so every mode starts from the same weights.
         states[m] = build_state(mode_config, spec, source, mode.variable_scope())
-        steps[m] = mode.inner_step(states[m], config.accum, config.clip_norm)
+        steps[m] = mode.inner_step(states[m], mode_config)
         streams[m] = iter(source.train_stream(
             seed=config.seed, start_position=0, micro_batch=config.batch_size * len(plan.tower_devices)))
     losses: dict[str, list[float]] = {m: [] for m in modes}

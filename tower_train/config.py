@@ -56,6 +56,11 @@ class TrainConfig:
     accum: int = option(1, "Micro-steps K accumulated into one update.", main=True)
     # Examples per tower per micro-step, as in the original.
     batch_size: int = option(128, "Examples per tower per micro-step.", main=True)
+    # Equal shares suit equal devices; unequal ones (a slower GPU) want their own split.
+    tower_split: str | None = option(
+        None, "Tower mode: each tower's share of every micro-batch of num_gpus x batch_size "
+        "examples, e.g. 3,1 (each share must come out a whole number of examples); default: "
+        "batch_size each. The update stays the mean over its G examples.")
     # The original kept the variables on the CPU.
     ps_device: str = option(
         "cpu", f"Where all variables live: {' | '.join(PS_DEVICES)} (gpu = GPU 0, or the first "
@@ -173,6 +178,8 @@ class TrainConfig:
             _at_least(name, getattr(self, name), 1)
         if self.gpu_memory_mb is not None:
             _at_least("gpu_memory_mb", self.gpu_memory_mb, 1)
+        if self.tower_split is not None:
+            self._check_tower_split()
         _at_least("seed", self.seed, 0)
         if self.seed > MAX_SEED:
             raise UsageError(f"--seed={self.seed}: must be a whole number <= {MAX_SEED}")
@@ -180,6 +187,35 @@ class TrainConfig:
             raise UsageError(f"--learning_rate={self.learning_rate}: must be a finite number > 0")
         if not self.train_dir:
             raise UsageError("--train_dir is empty: it must name a directory")
+
+    def _check_tower_split(self) -> None:
+        flag = f"--tower_split={self.tower_split}"
+        try:
+            shares = [int(share) for share in self.tower_split.split(",")]
+        except ValueError:
+            shares = []
+        if not shares or min(shares) < 1:
+            raise UsageError(f"{flag}: must be whole numbers >= 1 separated by commas, one per tower")
+        if self.mode != "tower":
+            raise UsageError(f"{flag}: only with --mode=tower (the strategies split every micro-batch "
+                             f"evenly), not --mode={self.mode}")
+        if len(shares) != self.num_towers:
+            raise UsageError(f"{flag}: {len(shares)} shares for {self.num_towers} tower(s) "
+                             f"(--num_gpus={self.num_gpus}); give one per tower")
+        micro = self.batch_size * self.num_towers
+        if any(share * micro % sum(shares) for share in shares):
+            raise UsageError(f"{flag}: does not cut a micro-batch of {micro} examples (--num_gpus x "
+                             f"--batch_size) into whole shards; the shares' sum must divide "
+                             f"{micro} x each share")
+
+    @property
+    def tower_shard_sizes(self) -> tuple[int, ...]:
+        """Examples of each tower per micro-step: batch_size each, or as --tower_split says."""
+        if self.tower_split is None:
+            return (self.batch_size,) * self.num_towers
+        shares = [int(share) for share in self.tower_split.split(",")]
+        micro = self.batch_size * self.num_towers
+        return tuple(share * micro // sum(shares) for share in shares)
 
     @property
     def num_towers(self) -> int:

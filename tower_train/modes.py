@@ -75,14 +75,17 @@ class Mode:
 
         return self.strategy.scope() if self.strategy else tf.device(self.plan.param_device)
 
-    def inner_step(self, state, accum: int, clip_norm: float | None = None, jit_compile: bool = False):
-        """The object whose `run_update(batches)` applies one update of `accum` micro-steps;
-        `jit_compile` compiles each tower's forward and backward pass with XLA."""
-        rule = state.update_rule(clip_norm)
+    def inner_step(self, state, config: TrainConfig):
+        """The `InnerStep` whose `run_update(batches)` applies one update of config.accum
+        micro-steps: clipped to --clip_norm, each tower's share as --tower_split says, compiled
+        with XLA under --jit_compile."""
+        rule = state.update_rule(config.clip_norm)
+        accum, jit_compile = config.accum, config.jit_compile
         if self.strategy is None:
             from tower_train.tower_mode import TowerStep
 
-            return TowerStep(rule, self.plan.tower_devices, self.plan.param_device, accum, jit_compile)
+            return TowerStep(rule, self.plan.tower_devices, self.plan.param_device, accum,
+                             config.tower_shard_sizes, jit_compile)
         from tower_train.strategy_mode import StrategyStep
 
         return StrategyStep(self.strategy, rule, accum,

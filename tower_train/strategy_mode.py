@@ -90,7 +90,7 @@ class StrategyStep:
         loss_sum, total_weight, nonfinite = scalars.numpy()
         applied = nonfinite == 0 and total_weight > 0
         if applied:
-            count = labels_per_shard(labels.shape, self._local_replicas)
+            count = labels_per_shard(labels.shape, [labels.shape[0] // self._local_replicas])[0]
             self.apply(tf.constant(count / total_weight, tf.float32))
         else:
             self.discard(tf.constant(nonfinite > 0))

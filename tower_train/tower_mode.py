@@ -34,11 +34,12 @@ class TowerStep:
     """The inner step of tower mode for one model, optimizer and device layout."""
 
     def __init__(self, rule: UpdateRule, tower_devices: Sequence[str], param_device: str, accum: int,
-                 jit_compile: bool = False):
+                 shard_sizes: Sequence[int], jit_compile: bool = False):
         model = rule.model
         self._tower = tower_function(model, rule.loss_scale, jit_compile)
         self._rule = rule
         self._devices = tuple(tower_devices)
+        self._shard_sizes = tuple(shard_sizes)  # examples of each tower per micro-step
         self._param_device = param_device
         self._accum = accum
         with tf.device(param_device):
@@ -66,7 +67,7 @@ class TowerStep:
         return UpdateResult.of(*self.update(*next(batches)))
 
     def _towers(self, batch: Batch) -> list:
-        return run_on_towers(self._tower, self._devices, split_batch(batch, len(self._devices)))
+        return run_on_towers(self._tower, self._devices, split_batch(batch, self._shard_sizes))
 
     def _accumulate(self, features: tf.Tensor, labels: tf.Tensor, weights: tf.Tensor) -> None:
         """A micro-step that does not update: a global micro-batch [N*b, ...] -> nothing."""
@@ -94,13 +95,13 @@ class TowerStep:
             tower_grads.append(grads)
             loss_sums.append(loss_sum)
             weight_sums.append(weight_sum)
-        count = labels_per_shard(labels.shape, len(self._devices))
+        counts = labels_per_shard(labels.shape, self._shard_sizes)
         with tf.device(self._param_device):
             total_weight = tf.add_n(weight_sums)
             regularization, regularization_grads = regularization_gradients(self._rule.model)
             mean_loss = tf.math.divide_no_nan(tf.add_n(loss_sums), total_weight) + regularization
             safe_weight = tf.where(total_weight > 0, total_weight, 1.0)  # W = 0 is refused below
-            mean_grads = combine_gradients(tower_grads, [count] * len(self._devices), safe_weight)
+            mean_grads = combine_gradients(tower_grads, counts, safe_weight)
             if self._rule.loss_scale is not None:
                 mean_grads = self._rule.loss_scale.unscale(mean_grads)
             mean_grads = [g + r for g, r in zip(mean_grads, regularization_grads, strict=True)]

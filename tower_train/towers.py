@@ -130,12 +130,13 @@ def combine_gradients(
             for grads in zip(*tower_gradient_sums, strict=True)]
 
 
-def split_batch(batch: tuple[tf.Tensor, ...], num_shards: int) -> list[tuple[tf.Tensor, ...]]:
-    """A global micro-batch (features, labels, weights), each [N*b, ...], as N consecutive shards
-    of b examples."""
-    return list(zip(*(tf.split(part, num_shards) for part in batch), strict=True))
+def split_batch(batch: tuple[tf.Tensor, ...], shard_sizes: Sequence[int]) -> list[tuple[tf.Tensor, ...]]:
+    """A global micro-batch (features, labels, weights), each [M, ...], as consecutive shards of
+    shard_sizes[i] examples (summing to M)."""
+    return list(zip(*(tf.split(part, list(shard_sizes)) for part in batch), strict=True))
 
 
-def labels_per_shard(labels_shape: Sequence[int], num_shards: int) -> float:
-    """c: the labels of one shard of a global micro-batch of labels of (static) `labels_shape`."""
-    return tf.TensorShape(labels_shape).num_elements() / num_shards
+def labels_per_shard(labels_shape: Sequence[int], shard_sizes: Sequence[int]) -> list[float]:
+    """c_i: the labels in shard i of a global micro-batch of labels of (static) `labels_shape`."""
+    per_example = tf.TensorShape(labels_shape[1:]).num_elements()
+    return [size * per_example for size in shard_sizes]

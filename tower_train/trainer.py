@@ -305,7 +305,7 @@ def train(config: TrainConfig, spec: ModelSpec, source: Source, mode: Mode,
         log("resumed from %s at step %d", latest, _value(state.step))
     if stop is not None:
         stop.listen()
-    inner = mode.inner_step(state, config.accum, config.clip_norm, config.jit_compile)
+    inner = mode.inner_step(state, config)
     batches = iter(source.train_stream(
         seed=config.seed, start_position=_value(state.examples_seen),
         micro_batch=config.batch_size * len(plan.tower_devices),
