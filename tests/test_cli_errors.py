@@ -32,7 +32,7 @@ CASES = [
     (["--mode=bogus"], "allowed: tower"),
     (["--ps_device=tpu"], "allowed: cpu, gpu"),
     (["--optimizer=rmsprop"], "allowed: sgd, momentum, adam"),
-    (["--dataset=imagenet"], "--dataset=imagenet: unknown; registered: cifar10, synthetic"),
+    (["--dataset=imagenet"], "--dataset=imagenet: unknown; registered: cifar10, markov_text, synthetic"),
     (["--num_gpus=2", "--tower_split=3,x"], "--tower_split=3,x: must be whole numbers >= 1"),
     (["--num_gpus=2", "--tower_split=3,0"], "--tower_split=3,0: must be whole numbers >= 1"),
     (["--num_gpus=3", "--tower_split=3,1"], "--tower_split=3,1: 2 shares for 3 tower(s)"),

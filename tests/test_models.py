@@ -12,6 +12,7 @@ import pytest
 import tensorflow as tf
 
 import tower_train.models as models
+from tower_train import data
 from tower_train.errors import UsageError
 from test_cli_errors import ROOT, run_cli
 
@@ -134,3 +135,50 @@ def test_unknown_model_names_the_registered_ones():
 def test_a_name_cannot_be_taken_twice():
     with pytest.raises(ValueError, match="already registered"):
         models.register("cifar10_cnn")(type("Other", (models.TowerModel,), {}))
+
+
+def test_tiny_transformer_is_causal_and_recompute_keeps_its_gradients():
+    from tower_train import text_data
+    from tower_train.towers import tower_loss_and_gradients
+
+    source = data.load_source("markov_text")
+    features, labels, label_weights = (tf.constant(a[:4]) for a in (
+        source.train_features, source.train_labels, source.train_weights))
+    results = {}
+    for recompute in (False, True):
+        tf.keras.utils.set_random_seed(0)
+        model = models.model_class("tiny_transformer")(num_classes=text_data.VOCABULARY,
+                                                      recompute=recompute)
+        logits = model(features)
+        assert logits.shape == (4, text_data.LENGTH, text_data.VOCABULARY)
+        # Causal: changing the last token changes no earlier position's logits.
+        changed = tf.concat([features[:, :-1], (features[:, -1:] + 1) % text_data.VOCABULARY], axis=1)
+        np.testing.assert_allclose(model(changed)[:, :-1], logits[:, :-1], atol=1e-5)
+
+        @tf.function
+        def tower(model=model):
+            with tf.name_scope("tower_0"):
+                return tower_loss_and_gradients(model, features, labels, label_weights)
+
+        loss_sum, weight_sum, grads = tower()
+        results[recompute] = float(loss_sum), float(weight_sum), [g.numpy() for g in grads]
+    assert results[True][:2] == pytest.approx(results[False][:2], rel=1e-6)
+    assert results[False][1] == float(label_weights.numpy().sum())  # real tokens only
+    for got, want in zip(results[True][2], results[False][2], strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_markov_text_is_padded_next_token_data_with_a_weak_unigram_baseline():
+    from tower_train import text_data
+
+    source = data.load_source("markov_text")
+    x, y, w = source.train_features, source.train_labels, source.train_weights
+    assert x.shape == y.shape == w.shape == (8000, text_data.LENGTH) and source.num_classes == 32
+    np.testing.assert_array_equal(x[:, 1:], y[:, :-1])  # labels are the next tokens
+    real = w.sum(axis=1).astype(int)
+    assert real.min() == 7 and real.max() == 47 and len(set(real)) > 30  # lengths vary
+    for row, tokens in zip(x[:50], real[:50]):
+        assert row[0] == text_data.START and (row[tokens + 1:] == text_data.PAD).all()
+    assert all(y[i, real[i] - 1] == text_data.END for i in range(50))
+    assert ((w == 0) == (y == text_data.PAD)).all()  # weight 0 exactly on padding
+    assert 0.02 < text_data.unigram_precision() < 0.1

@@ -374,3 +374,36 @@ def test_works_under_a_host_device_scope(files):
         source = make_source(files)
         features, _, _ = take(stream(source, micro_batch=8), 16)
     np.testing.assert_array_equal(features, take(stream(make_source(files), micro_batch=8), 16)[0])
+
+
+def test_training_on_streamed_files_resumes_bit_exactly(files, tmp_path):
+    """Stop after 2 updates, resume to 5: the same weights, bit for bit, as 5 straight updates
+    (--deterministic), with a shuffle buffer, a random preprocess and 3 workers' worth of epochs."""
+    import tower_train
+    from test_train import checkpoint_values
+
+    def jitter(features, seeds, training):
+        noise = tf.random.stateless_normal(tf.shape(features), seed=seeds[0]) if training else 0.0
+        return features / 1000.0 + noise
+
+    class Linear(tower_train.TowerModel):
+        def __init__(self, num_classes=NUM_CLASSES, **kwargs):
+            super().__init__(num_classes, **kwargs)
+            self.dense = tf.keras.layers.Dense(num_classes)
+
+        def call(self, features, training=False):
+            return self.dense(features)
+
+    options = dict(model=Linear, data=make_source(files, preprocess=jitter), num_gpus=2, accum=3,
+                   batch_size=4, optimizer="momentum", learning_rate=0.05, deterministic=True,
+                   log_every=100)
+    tower_train.fit(train_dir=str(tmp_path / "resumed"), max_steps=2, **options)
+    tower_train.fit(train_dir=str(tmp_path / "resumed"), max_steps=5, **options)
+    tower_train.fit(train_dir=str(tmp_path / "straight"), max_steps=5, **options)
+    resumed = checkpoint_values(str(tmp_path / "resumed"))
+    straight = checkpoint_values(str(tmp_path / "straight"))
+    names = [n for n in straight if n.startswith(("model/", "moving_average/", "examples_seen/"))]
+    assert names and resumed.keys() == straight.keys()
+    assert straight["examples_seen/.ATTRIBUTES/VARIABLE_VALUE"] == 5 * 24 > N_TRAIN * 3  # epochs 1-4
+    for name in names:
+        np.testing.assert_array_equal(resumed[name], straight[name], err_msg=name)

@@ -4,7 +4,10 @@ in tower and mirrored mode, applies the one-big-batch step normalized by the upd
 The reference is computed here, independently: a plain GradientTape on one device over the G
 examples of the update, loss = sum(w * loss) / sum(w) + regularization, then plain SGD.
 """
+import inspect
 import re
+import subprocess
+import sys
 
 import keras
 import numpy as np
@@ -14,7 +17,7 @@ import tensorflow as tf
 import tower_train
 from tower_train.models import l2_loss
 from helpers import make_run, synthetic_batches, weights
-from test_cli_errors import run_cli
+from test_cli_errors import ROOT, run_cli
 from test_modes import kill_running, start_workers
 from test_train import checkpoint_values
 
@@ -188,6 +191,7 @@ def test_held_out_precision_counts_weighted_tokens():
     assert evaluate(Echo(7), wrong, 2, ["/cpu:1"])[0] == pytest.approx(3 / 6)
 
 
+# The workers import the model and the data from a module of the user's, as a user's would.
 TOKENS_MODULE = """
 import keras
 import numpy as np
@@ -198,19 +202,7 @@ from tower_train.models import l2_loss, register
 
 
 @register("test_tagger")
-class Tagger(tower_train.TowerModel):
-    def __init__(self, num_classes, **kwargs):
-        super().__init__(num_classes, **kwargs)
-        self.embed = keras.layers.Embedding(20, 8)
-        self.logits = keras.layers.Dense(num_classes)
-
-    def call(self, tokens, training=False):
-        x = self.embed(tokens)
-        return self.logits(x + tf.reduce_mean(x, axis=1, keepdims=True))
-
-    def regularization(self):
-        return 1e-3 * l2_loss(self.logits.kernel)
-
+""" + inspect.getsource(Tagger) + """
 
 @tower_train.data.register("test_padded_tokens")
 def padded_tokens():
@@ -248,3 +240,17 @@ def test_two_workers_with_unequal_token_counts_apply_tower_modes_weighted_update
     # The logged losses agree too: the weighted mean over both workers' tokens.
     losses = [re.findall(r"step \d+, loss = ([\d.]+) \(", log) for log in (logs[0][1], tower.stderr)]
     assert losses[0] == losses[1] and len(losses[0]) == 3
+
+
+def test_the_normalization_command_measures_the_mean_of_means_error():
+    def run(*args):
+        result = subprocess.run([sys.executable, "-m", "tower_train.normalization", "--updates=1", *args],
+                                capture_output=True, text=True, cwd=ROOT, timeout=300)
+        assert result.returncode == 0, result.stderr[-3000:]
+        return float(re.search(r"relative error of the mean of means ([\d.]+)", result.stdout)[1])
+
+    # One label per example, all weighing 1: the two normalizations are the same.
+    assert run("--num_gpus=2", "--batch_size=4", "--accum=2") == 0.0
+    # Padded sequences of 7 to 47 real tokens in shards of 2: far apart.
+    assert run("--model=tiny_transformer", "--dataset=markov_text", "--num_gpus=2",
+               "--batch_size=2", "--accum=2") > 0.01

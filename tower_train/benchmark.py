@@ -44,7 +44,7 @@ from absl import flags
 
 from tower_train import flags as tt_flags
 from tower_train.api import check_data, prepare_devices
-from tower_train.cli import command, parse_config
+from tower_train.cli import command, load_tensorflow, parse_config
 from tower_train.config import TrainConfig
 from tower_train.errors import UsageError
 from tower_train.stats import jitter
@@ -111,10 +111,12 @@ def default_configs(measure: str, batch_size: int) -> list[str]:
 
 @dataclasses.dataclass(frozen=True)
 class Workload:
-    """`run(n)` applies n updates and returns the seconds they took; each consumes `global_batch`."""
+    """`run(n)` applies n updates and returns the seconds they took; each consumes `global_batch`
+    examples of `labels_per_example` labels (tokens, for a sequence model)."""
 
     run: Callable[[int], float]
     global_batch: int
+    labels_per_example: int
 
 
 def build_workload(bench: BenchConfig, config: TrainConfig, plan: DevicePlan) -> Workload:
@@ -153,7 +155,7 @@ def build_workload(bench: BenchConfig, config: TrainConfig, plan: DevicePlan) ->
     builder = {"plain": _plain, "keras_fit": _keras_fit}.get(bench.kind, _mode)
     run = builder(config, plan, dataset, lambda scope: build_state(config, spec, source, scope),
                   source.train_size)
-    return Workload(run, micro * bench.accum)
+    return Workload(run, micro * bench.accum, source.label_spec.shape.num_elements())
 
 
 @functools.cache
@@ -305,10 +307,15 @@ class Measurement:
     examples_per_sec: float  # median over rounds
     jitter: float  # 1.4826 x median absolute deviation of examples/sec over rounds
     sec_per_update: float  # median
+    labels_per_example: int  # > 1 for per-token labels: the report adds labels (tokens) per second
 
     @property
     def sec_per_example(self) -> float:
         return self.sec_per_update / self.global_batch
+
+    @property
+    def labels_per_sec(self) -> float:
+        return self.examples_per_sec * self.labels_per_example
 
 
 def run_benchmark(config: TrainConfig, benches: list[BenchConfig], plan: DevicePlan, updates: int,
@@ -325,7 +332,7 @@ def run_benchmark(config: TrainConfig, benches: list[BenchConfig], plan: DeviceP
     for name, workload in workloads.items():
         rates = [workload.global_batch / s for s in seconds[name]]
         results.append(Measurement(name, workload.global_batch, statistics.median(rates), jitter(rates),
-                                   statistics.median(seconds[name])))
+                                   statistics.median(seconds[name]), workload.labels_per_example))
     return results
 
 
@@ -348,15 +355,19 @@ def comparisons(names: list[str], batch_size: int) -> list[tuple[str, str, str]]
 
 
 def format_report(results: list[Measurement], towers: int, batch_size: int) -> str:
-    lines = [f"{'config':<24} {'G':>6} {'examples/sec':>22} {'sec/update':>11}"]
+    per_token = any(m.labels_per_example > 1 for m in results)
+    lines = [f"{'config':<24} {'G':>6} {'examples/sec':>22} {'sec/update':>11}"
+             + (f" {'tokens/sec':>11}" if per_token else "")]
     for m in results:
         lines.append(f"{m.config:<24} {m.global_batch:>6} "
-                     f"{m.examples_per_sec:>12.1f} +/- {m.jitter:<7.1f} {m.sec_per_update:>11.4f}")
+                     f"{m.examples_per_sec:>12.1f} +/- {m.jitter:<7.1f} {m.sec_per_update:>11.4f}"
+                     + (f" {m.labels_per_sec:>11.0f}" if per_token else ""))
     by_name = {m.config: m for m in results}
     for a, b, note in comparisons(list(by_name), batch_size):
         ratio = by_name[a].sec_per_example / by_name[b].sec_per_example
         lines.append(f"time per example, {a} / {b}: {ratio:.3f}" + (f"  ({note})" if note else ""))
-    lines.append(f"{towers} tower(s), {batch_size} examples per tower per micro-step unless _bB says")
+    lines.append(f"{towers} tower(s), {batch_size} examples per tower per micro-step unless _bB says"
+                 + ("; tokens/sec counts every label position, padding included" if per_token else ""))
     return "\n".join(lines)
 
 
@@ -489,6 +500,7 @@ def _benchmark(argv: list[str]) -> int:
             raise UsageError(f"--{key}={options[key].value}: must be a whole number >= 1")
     if options["warmup_updates"].value < 1:
         raise UsageError("--warmup_updates must be >= 1: the first update traces")
+    load_tensorflow()
     check_data(config, None)
     plan = prepare_devices(config, announce=True)
     if measure == "memory":

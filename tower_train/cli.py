@@ -115,19 +115,25 @@ def _train(argv: list[str]) -> int:
         worker = cluster.parse_tf_config(os.environ.get("TF_CONFIG"))
         watchdog = cluster.PeerWatchdog(worker, config.collective_timeout, PROG)  # before TF loads
     try:
-        with native_startup_lines_hidden():
-            import tensorflow as tf  # loaded and probed for GPUs here, where its lines are hidden
+        load_tensorflow()
+        from tower_train.api import fit
+        from tower_train.stop_signals import StopSignals
 
-            tf.config.list_physical_devices("GPU")
-
-            from tower_train.api import fit
-            from tower_train.stop_signals import StopSignals
         fit(stop=StopSignals(), heartbeat=watchdog.progress if watchdog else None,
             **{name: getattr(config, name) for name in tt_flags.TRAINING_FLAGS})
     finally:
         if watchdog is not None:
             watchdog.stop()
     return 0
+
+
+def load_tensorflow() -> None:
+    """Loads TensorFlow and probes for GPUs where the lines its C++ side prints are hidden; a
+    command calls it once its flags are checked."""
+    with native_startup_lines_hidden():
+        import tensorflow as tf
+
+        tf.config.list_physical_devices("GPU")
 
 
 def _no_tensorflow_info(record: stdlib_logging.LogRecord) -> bool:

@@ -20,8 +20,9 @@ Labels are [n] or [n, ...] (for example one label per token) integers in
 ``0 .. num_classes - 1``; weights, float32 with the labels' shape, say how much
 each label counts (0 for padding); without weights every label counts 1.
 
-Sources are registered by name for ``--dataset`` with `register`; the two
-built-in ones, ``synthetic`` and ``cifar10``, live in `tower_train.image_data`.
+Sources are registered by name for ``--dataset`` with `register`; the built-in
+image sets, ``synthetic`` and ``cifar10``, live in `tower_train.image_data`, and
+the built-in sequence set, ``markov_text``, in `tower_train.text_data`.
 """
 
 from __future__ import annotations
@@ -85,14 +86,7 @@ class Source(abc.ABC):
         of micro_batch x num_shards and this shard gets slice shard_index of each: together
         the shards read exactly the examples one process would read with the whole batch.
         """
-        if not 0 <= shard_index < num_shards:
-            raise ValueError(f"shard_index must be in 0..{num_shards - 1}, got {shard_index}")
-        if micro_batch < 1:
-            raise ValueError(f"micro_batch must be >= 1, got {micro_batch}")
-        if start_position < 0:
-            raise ValueError(f"start_position must be >= 0, got {start_position}")
-        if not -(2**63) <= seed < 2**63:
-            raise ValueError(f"seed must fit in int64, got {seed}")
+        check_stream_arguments(seed, start_position, micro_batch, shard_index, num_shards)
         mine = slice(shard_index * micro_batch, (shard_index + 1) * micro_batch)
 
         def shard(positions, features, labels, weights):
@@ -135,6 +129,20 @@ class Source(abc.ABC):
         """One all-zero example as the model takes it, [1, ...]: builds a model's variables."""
         zeros = tf.zeros([1, *self.feature_spec.shape], self.feature_spec.dtype)
         return self.model_input(zeros, tf.zeros([1, 2], tf.int64), training=False)
+
+
+def check_stream_arguments(seed: int, start_position: int, micro_batch: int, shard_index: int,
+                           num_shards: int) -> None:
+    """The arguments of `Source.train_stream` (a subclass that overrides it checks them too)."""
+    if num_shards < 1 or not 0 <= shard_index < num_shards:
+        raise ValueError(f"shard_index must be in 0..num_shards - 1 with num_shards >= 1, got "
+                         f"{shard_index} of {num_shards}")
+    if micro_batch < 1:
+        raise ValueError(f"micro_batch must be >= 1, got {micro_batch}")
+    if start_position < 0:
+        raise ValueError(f"start_position must be >= 0, got {start_position}")
+    if not -(2**63) <= seed < 2**63:
+        raise ValueError(f"seed must fit in int64, got {seed}")
 
 
 def _stream_indices(positions: tf.Tensor, seed: int, n: int, shuffle: bool) -> tf.Tensor:
@@ -276,9 +284,15 @@ def register(name: str) -> Callable[[Callable[[], Source]], Callable[[], Source]
     return add
 
 
+def _register_built_in() -> None:
+    """The built-in sources that register themselves like a user's: markov_text."""
+    from tower_train import text_data  # noqa: F401 (imported for its @register)
+
+
 def dataset_names() -> tuple[str, ...]:
     from tower_train import image_data
 
+    _register_built_in()
     return tuple(sorted({*image_data.BUILT_IN, *_SOURCES}))
 
 
@@ -286,6 +300,7 @@ def check_dataset(name: str, data_dir: str | None, augment: bool) -> None:
     """Cheap start-up check of --dataset with --data_dir and --augment; reads no file contents."""
     from tower_train import image_data
 
+    _register_built_in()
     if name in image_data.BUILT_IN:
         image_data.check_data_dir(name, data_dir)
         return

@@ -144,7 +144,9 @@ def apply_device_plan(plan: DevicePlan) -> None:
     """Creates the logical devices the plan needs; call before TF initialises its runtime.
 
     If the runtime is already up (a test process, or a second run in one
-    process), the plan is accepted only when the devices it names exist.
+    process), or the process has split the device already (an earlier call),
+    the plan is accepted only when the devices it names exist: a split is never
+    replaced, so what another part of the process relies on stays.
 
     Raises:
       UsageError: the runtime is up and lacks a device the plan names.
@@ -157,11 +159,12 @@ def apply_device_plan(plan: DevicePlan) -> None:
     physical = tf.config.list_physical_devices(kind)[0]
     configs = [tf.config.LogicalDeviceConfiguration(memory_limit=plan.gpu_memory_limit_mb)
                for _ in range(plan.num_logical)]
-    try:
-        tf.config.set_logical_device_configuration(physical, configs)
-        return
-    except RuntimeError:
-        pass  # already initialised: accepted if the devices exist
+    if not tf.config.get_logical_device_configuration(physical):
+        try:
+            tf.config.set_logical_device_configuration(physical, configs)
+            return
+        except RuntimeError:
+            pass  # already initialised: accepted if the devices exist
     existing = {canonical_device(d.name) for d in tf.config.list_logical_devices()}
     missing = [d for d in (*plan.tower_devices, plan.param_device)
                if canonical_device(d) not in existing]

@@ -24,7 +24,7 @@ import sys
 
 from tower_train import flags as tt_flags
 from tower_train.api import check_data, make_config, prepare_devices
-from tower_train.cli import command, native_startup_lines_hidden, parse_config
+from tower_train.cli import command, load_tensorflow, parse_config
 
 EVAL_FLAGS = tt_flags.define_eval_flags()
 
@@ -97,10 +97,7 @@ def evaluate_checkpoint(model: object = None, data: object = None, *, checkpoint
 
 def _eval(argv: list[str]) -> int:
     config = parse_config(argv, __doc__ or "", EVAL_FLAGS)
-    with native_startup_lines_hidden():
-        import tensorflow as tf
-
-        tf.config.list_physical_devices("GPU")
+    load_tensorflow()
     options = {name: getattr(config, name) for name in tt_flags.TRAINING_FLAGS}
     precision, count = evaluate_checkpoint(checkpoint=EVAL_FLAGS["checkpoint"].value,
                                            use_ema=EVAL_FLAGS["use_ema"].value, **options)

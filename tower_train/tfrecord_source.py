@@ -14,7 +14,7 @@ from typing import Callable, Mapping, Sequence, TypeVar, Union
 import numpy as np
 import tensorflow as tf
 
-from tower_train.data import _HOST, DataError, Preprocess, Source
+from tower_train.data import _HOST, DataError, Preprocess, Source, check_stream_arguments
 from tower_train.errors import UsageError
 from tower_train.user_code import UserCodeError, describe, where
 
@@ -177,7 +177,7 @@ class TFRecordSource(Source):
         if num_shards == 1:
             return super().train_stream(seed=seed, start_position=start_position, micro_batch=micro_batch,
                                         shard_index=shard_index, num_shards=num_shards)
-        _check_stream_args(seed, start_position, micro_batch, shard_index, num_shards)
+        check_stream_arguments(seed, start_position, micro_batch, shard_index, num_shards)
         with tf.device(_HOST):
             if self.sharding == "stream":
                 examples = self._train_examples(self.train_files, _shuffle_key(seed), start_position)
@@ -358,19 +358,6 @@ def _retry_user_code(function: Callable[[], T], what: str, error: BaseException)
 def _check_int(name: str, what: str, value, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
         raise DataError(f"{name}: {what}={value!r}: must be an integer >= {minimum}")
-
-
-def _check_stream_args(seed: int, start_position: int, micro_batch: int, shard_index: int,
-                       num_shards: int) -> None:
-    """The checks of Source.train_stream."""
-    if not 0 <= shard_index < num_shards:
-        raise ValueError(f"shard_index must be in 0..{num_shards - 1}, got {shard_index}")
-    if micro_batch < 1:
-        raise ValueError(f"micro_batch must be >= 1, got {micro_batch}")
-    if start_position < 0:
-        raise ValueError(f"start_position must be >= 0, got {start_position}")
-    if not -(2**63) <= seed < 2**63:
-        raise ValueError(f"seed must fit in int64, got {seed}")
 
 
 def _shuffle_key(seed: int, shard_index: int = 0, num_shards: int = 1) -> tf.Tensor:

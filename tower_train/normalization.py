@@ -1,0 +1,91 @@
+"""python -m tower_train.normalization: how far a mean of per-shard means would be from the
+update's weighted mean, for a model, a data set and a layout.
+
+Run commands:
+    python -m tower_train.normalization --flagfile=flags/sequence.flags
+    python -m tower_train.normalization --model=tiny_transformer --dataset=markov_text --num_gpus=4 --accum=8
+
+It takes the first --updates updates' examples of the training stream, cuts each into the
+N x K shards the layout gives, and computes on a freshly initialised model (seeded by --seed),
+for each update, the data loss and its gradient two ways:
+
+* the rule tower-train applies: sum(w * loss) / sum(w) over the whole update;
+* a mean of shard means: each shard's sum(w * loss) / sum(w), averaged over the N x K shards,
+  which is what normalizing per micro-batch or per device does.
+
+and prints the relative error of the second, |g_means - g| / |g| (global L2 norms), and the two
+losses. With equally weighted examples of one label each the two agree exactly; with padded
+sequences of varying length they do not. Nothing is trained or written.
+"""
+from __future__ import annotations
+
+import sys
+
+from absl import flags
+
+from tower_train.api import check_data, prepare_devices
+from tower_train.cli import command, load_tensorflow, parse_config
+from tower_train.config import TrainConfig
+from tower_train.errors import UsageError
+
+UPDATES = flags.DEFINE_integer("updates", 3, "Updates whose examples are compared (>= 1).")
+
+
+def compare_normalizations(config: TrainConfig, updates: int) -> list[tuple[float, float, float]]:
+    """(weighted loss, mean-of-means loss, relative gradient error) for each of `updates` updates."""
+    import keras
+    import tensorflow as tf
+
+    from tower_train import data
+    from tower_train.model_spec import build_model, resolve_model
+    from tower_train.towers import labels_per_shard, split_batch, tower_loss_and_gradients
+
+    source = data.load_source(config.dataset, config.data_dir, config.augment)
+    source.check()
+    keras.utils.set_random_seed(config.seed)
+    model = build_model(resolve_model(None, config, None, source.num_classes), source, config)
+    sizes = config.tower_shard_sizes
+    batches = iter(source.train_stream(seed=config.seed, start_position=0, micro_batch=sum(sizes)))
+    results = []
+    for _ in range(updates):
+        shards = [shard for _ in range(config.accum) for shard in split_batch(next(batches), sizes)]
+        sums = [tower_loss_and_gradients(model, *shard) for shard in shards]
+        counts = [labels_per_shard(shard[1].shape, [shard[1].shape[0]])[0] for shard in shards]
+        total = sum(float(weight) for _, weight, _ in sums)
+        # Shard i's gradient is of sum(w * loss) / c_i: times c_i it is the gradient of its sum.
+        weighted = [tf.add_n([grads[v] * (c / total) for (_, _, grads), c in zip(sums, counts)])
+                    for v in range(len(model.trainable_variables))]
+        means = [tf.add_n([grads[v] * (c / float(w) / len(shards)) for (_, w, grads), c in zip(sums, counts)])
+                 for v in range(len(model.trainable_variables))]
+        error = float(tf.linalg.global_norm([m - w for m, w in zip(means, weighted)])
+                      / tf.linalg.global_norm(weighted))
+        loss = sum(float(s) for s, _, _ in sums) / total
+        mean_loss = sum(float(s) / float(w) for s, w, _ in sums) / len(shards)
+        results.append((loss, mean_loss, error))
+    return results
+
+
+def _normalization(argv: list[str]) -> int:
+    config = parse_config(argv, __doc__ or "", ["updates"])
+    if UPDATES.value < 1:
+        raise UsageError(f"--updates={UPDATES.value}: must be a whole number >= 1")
+    load_tensorflow()
+    check_data(config, None)
+    prepare_devices(config)
+    results = compare_normalizations(config, UPDATES.value)
+    print(f"{config.model} on {config.dataset}: G = {config.global_batch} examples per update in "
+          f"{config.num_towers} x {config.accum} shards of {'/'.join(map(str, config.tower_shard_sizes))}")
+    for update, (loss, mean_loss, error) in enumerate(results, start=1):
+        print(f"update {update}: loss {loss:.4f} (sum(w*loss)/sum(w)) vs {mean_loss:.4f} (mean of "
+              f"shard means); gradient relative error of the mean of means {error:.4f}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs `python -m tower_train.normalization`; returns the exit status."""
+    return command(lambda: _normalization(sys.argv if argv is None else argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
