@@ -407,3 +407,12 @@ def test_training_on_streamed_files_resumes_bit_exactly(files, tmp_path):
     assert straight["examples_seen/.ATTRIBUTES/VARIABLE_VALUE"] == 5 * 24 > N_TRAIN * 3  # epochs 1-4
     for name in names:
         np.testing.assert_array_equal(resumed[name], straight[name], err_msg=name)
+
+
+def test_binary_rows_keep_their_trailing_zero_bytes(tmp_path):
+    path = str(tmp_path / "nested" / "binary.tfrecord")  # the directory is made
+    rows = [b"ab\x00\x00", b"\x00", bytes(range(5)) + b"\x00"]
+    assert write_examples(path, {"raw": rows, "label": np.arange(3)}) == 3
+    spec = {"raw": tf.io.FixedLenFeature([], tf.string), "label": tf.io.FixedLenFeature([], tf.int64)}
+    read = [tf.io.parse_single_example(r, spec)["raw"].numpy() for r in tf.data.TFRecordDataset(path)]
+    assert read == rows

@@ -24,10 +24,10 @@ from test_train import checkpoint_values
 LR = 0.5
 G = 48
 LAYOUTS = [(48, 1, 1), (12, 2, 2), (6, 4, 2), (4, 3, 4), (2, 8, 3)]  # batch, towers, accum
-# Every layout in tower mode; mirrored, whose equality with tower mode test_modes.py checks update
-# by update, in the two layouts that exercise both towers and micro-steps.
+# Every layout in tower mode; mirrored and central_storage, whose equality with tower mode
+# test_modes.py checks update by update, in layouts that exercise both towers and micro-steps.
 CASES = [("tower", layout, None) for layout in LAYOUTS] + [
-    ("mirrored", (12, 2, 2), None), ("mirrored", (4, 3, 4), None),
+    ("mirrored", (12, 2, 2), None), ("mirrored", (4, 3, 4), None), ("central_storage", (4, 3, 4), None),
     # Uneven towers (--tower_split): 12 and 4 examples per micro-step, then 2, 2 and 8.
     ("tower", (8, 2, 3), "3,1"), ("tower", (4, 3, 4), "1,1,4")]
 IDS = [f"{mode}-{b}x{n}x{k}" + (f"-split{split}" if split else "") for mode, (b, n, k), split in CASES]

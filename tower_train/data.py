@@ -40,6 +40,10 @@ from tower_train.errors import UsageError
 # user of index_shuffle seeded with the same training seed.
 _SHUFFLE_SALT = 0x5EED_0DE5
 _HOST = "/cpu:0"  # input pipelines run on the host, as in the original
+# Global micro-batches the training stream prepares ahead of the towers: enough to hide the input
+# behind the compute, as the original's queue of 2 x towers examples did; an autotuned buffer of
+# an endless stream kept filling (with RAM and both cores) after training had stopped.
+TRAIN_PREFETCH = 2
 
 Preprocess = Callable[[tf.Tensor, tf.Tensor, bool], tf.Tensor]
 
@@ -97,7 +101,7 @@ class Source(abc.ABC):
         with tf.device(_HOST):
             dataset = self._raw_train_batches(seed, start_position, micro_batch * num_shards)
             dataset = dataset.map(shard, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
-            return dataset.prefetch(tf.data.AUTOTUNE)
+            return dataset.prefetch(TRAIN_PREFETCH)
 
     def eval_batches(self, batch_size: int) -> tf.data.Dataset:
         """Every held-out example once, in order, preprocessed for evaluation:

@@ -323,6 +323,7 @@ def train(config: TrainConfig, spec: ModelSpec, source: Source, mode: Mode,
     try:
         loss = controller.run()
     finally:
+        controller.batches = batches = None  # stops the input pipeline's work ahead
         for hook in hooks:
             hook.close()
         summaries.close()
