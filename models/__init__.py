@@ -5,6 +5,6 @@ from tower_train.models import cifar10_cnn  # registers itself
 from tower_train.models import resnet20  # registers itself
 from tower_train.models import tiny_transformer  # registers itself
 
-# The two modules are listed so that pyflakes, which ignores noqa, sees their imports used.
+# The modules are listed so that pyflakes, which ignores noqa, sees their imports used.
 __all__ = ["TowerModel", "l2_loss", "model_class", "model_names", "register", "cifar10_cnn", "resnet20",
            "tiny_transformer"]

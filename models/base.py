@@ -1,7 +1,7 @@
 """The base class of every network tower-train trains.
 
-A network is a `keras.Model` that maps images to logits and owns its loss:
-the per-example data loss and the regularization. It knows nothing of devices,
+A network is a `keras.Model` that maps a batch of features to logits and owns
+its loss: one loss per label and the regularization. It knows nothing of devices,
 flags or optimizers; the trainer decides where it runs and how it is updated.
 
 Subclass it like this (see docs/models.md, "Adding a model"):

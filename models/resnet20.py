@@ -25,7 +25,7 @@ from tower_train.models.registry import register
 # The paper's weight decay 1e-4: as 1e-4 x sum(w^2)/2 its gradient is 1e-4 x w.
 _WEIGHT_DECAY = 1e-4
 # PyTorch's defaults (momentum 0.1 there), which CIFAR ResNet recipes use; a moving average
-# that forgets in ~10 steps suits short runs (see README, "BatchNorm across towers").
+# that forgets in ~10 steps suits short runs (see docs/batchnorm.md).
 _BN = dict(momentum=0.9, epsilon=1e-5)
 
 

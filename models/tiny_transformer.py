@@ -19,7 +19,7 @@ import tensorflow as tf
 from tower_train.models.base import TowerModel, l2_loss
 from tower_train.models.registry import register
 
-_WEIGHT_DECAY = 1e-4  # on the dense kernels only; embeddings and norms are not decayed
+_WEIGHT_DECAY = 1e-4  # on the MLP and read-out kernels; attention, embeddings and norms are not decayed
 
 
 class _DecoderBlock(keras.layers.Layer):

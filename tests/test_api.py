@@ -1,7 +1,6 @@
 """tower_train.fit's bad input: a UsageError of one line that names the culprit, raised before
 anything is written; errors in the user's own model code name its file and line."""
 import os
-import sys
 
 import keras
 import numpy as np

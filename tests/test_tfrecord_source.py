@@ -378,7 +378,7 @@ def test_works_under_a_host_device_scope(files):
 
 def test_training_on_streamed_files_resumes_bit_exactly(files, tmp_path):
     """Stop after 2 updates, resume to 5: the same weights, bit for bit, as 5 straight updates
-    (--deterministic), with a shuffle buffer, a random preprocess and 3 workers' worth of epochs."""
+    (--deterministic), with a shuffle buffer, a random preprocess and 4 epochs of 30 records."""
     import tower_train
     from test_train import checkpoint_values
 

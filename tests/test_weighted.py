@@ -254,3 +254,14 @@ def test_the_normalization_command_measures_the_mean_of_means_error():
     # Padded sequences of 7 to 47 real tokens in shards of 2: far apart.
     assert run("--model=tiny_transformer", "--dataset=markov_text", "--num_gpus=2",
                "--batch_size=2", "--accum=2") > 0.01
+
+
+def test_a_stream_whose_weights_are_all_zero_stops_after_max_skipped_updates(tmp_path):
+    source = token_source()
+    silent = tower_train.ArraySource(source.train_features, source.train_labels,
+                                     np.zeros_like(source.train_weights), shuffle=False)
+    with pytest.raises(tower_train.TrainingError, match=r"^3 updates in a row had total weight 0, up to "
+                       r"stream position 24: that reaches --max_skipped=3 .*the last good checkpoint is none$"):
+        tower_train.fit(model=Tagger, data=silent, train_dir=str(tmp_path / "run"), num_gpus=2,
+                        batch_size=4, max_steps=10, max_skipped=3)
+    assert not (tmp_path / "run" / "checkpoint").exists()

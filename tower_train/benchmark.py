@@ -1,8 +1,8 @@
 """python -m tower_train.benchmark: tower-train's updates against the alternatives, and memory against K.
 
 Run commands:
-    python -m tower_train.benchmark --num_gpus=4 --batch_size=32                    # README: speed
-    python -m tower_train.benchmark --num_gpus=4 --batch_size=32 --measure=memory   # README: memory
+    python -m tower_train.benchmark --num_gpus=4 --batch_size=32                    # docs/performance.md: speed
+    python -m tower_train.benchmark --num_gpus=4 --batch_size=32 --measure=memory   # docs/performance.md: memory
     python -m tower_train.benchmark --configs=plain_k1,tower_pscpu_k1 --rounds=3 --output_json=b.json
 
 Speed, in the style of tf_cnn_benchmarks: warm-up updates (tracing included) are
@@ -146,8 +146,10 @@ def build_workload(bench: BenchConfig, config: TrainConfig, plan: DevicePlan) ->
     else:
         example = source.example_input()
         rng = np.random.default_rng(config.seed)
-        with tf.device("/cpu:0"):
-            features = tf.constant(rng.normal(size=(micro, *example.shape[1:])), example.dtype)
+        shape = (micro, *example.shape[1:])
+        with tf.device("/cpu:0"):  # token ids for a model of integer inputs, else normal values
+            features = tf.constant(rng.integers(0, source.num_classes, shape) if example.dtype.is_integer
+                                   else rng.normal(size=shape), example.dtype)
             labels = tf.constant(rng.integers(0, source.num_classes, (micro, *source.label_spec.shape)),
                                  source.label_spec.dtype)
             weights = tf.ones(labels.shape, tf.float32)
@@ -231,7 +233,9 @@ def _plain(config: TrainConfig, plan: DevicePlan, dataset, new_state: Callable,
         with tf.device(plan.param_device):
             loss_sum, weight_sum, grads = tower_loss_and_gradients(state.model, features, labels, weights)
             regularization, regularization_grads = regularization_gradients(state.model)
-            rule.apply(rule.clip([g + r for g, r in zip(grads, regularization_grads)]))
+            # The tower's gradient is of sum(w * loss) / (labels): rescaled to / sum(w).
+            scale = tf.cast(tf.size(weights), tf.float32) / weight_sum
+            rule.apply(rule.clip([g * scale + r for g, r in zip(grads, regularization_grads)]))
             return loss_sum / weight_sum + regularization
 
     def run(updates: int) -> float:
@@ -256,7 +260,8 @@ def _keras_fit(config: TrainConfig, plan: DevicePlan, dataset, new_state: Callab
     net = state.model
 
     class FitModel(keras.Model):
-        """The network behind Keras's train step, with tower-train's loss: mean + regularization."""
+        """The network behind Keras's train step, with tower-train's loss: the weighted mean of the
+        per-label losses (the data's weights arrive as Keras's sample_weight) + regularization."""
 
         def __init__(self):
             super().__init__()
@@ -266,7 +271,9 @@ def _keras_fit(config: TrainConfig, plan: DevicePlan, dataset, new_state: Callab
             return self.net(images, training=training)
 
         def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
-            return tf.reduce_mean(self.net.per_example_loss(y, y_pred)) + self.net.regularization()
+            losses = tf.cast(self.net.per_example_loss(y, y_pred), tf.float32)
+            weighted = tf.reduce_sum(losses * sample_weight) / tf.reduce_sum(sample_weight)
+            return weighted + self.net.regularization()
 
     optimizer = make_optimizer(config, config.global_batch, train_examples)
     if config.accum > 1:  # Keras takes None, not 1, for no accumulation

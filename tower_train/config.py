@@ -60,7 +60,7 @@ class TrainConfig:
     tower_split: str | None = option(
         None, "Tower mode: each tower's share of every micro-batch of num_gpus x batch_size "
         "examples, e.g. 3,1 (each share must come out a whole number of examples); default: "
-        "batch_size each. The update stays the mean over its G examples.")
+        "batch_size each. The update stays the weighted mean over its G examples.")
     # The original kept the variables on the CPU.
     ps_device: str = option(
         "cpu", f"Where all variables live: {' | '.join(PS_DEVICES)} (gpu = GPU 0, or the first "

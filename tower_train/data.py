@@ -28,7 +28,6 @@ the built-in sequence set, ``markov_text``, in `tower_train.text_data`.
 from __future__ import annotations
 
 import abc
-import dataclasses
 from typing import Callable
 
 import numpy as np

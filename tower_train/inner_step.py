@@ -3,7 +3,6 @@ and the strategy modes' `StrategyStep` implement, and what one update reports.""
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Iterator, Protocol
 
 import tensorflow as tf
@@ -33,7 +32,7 @@ class UpdateResult:
     @property
     def empty(self) -> bool:
         """The update counted no label at all (every weight 0): refused, and no fault."""
-        return self.total_weight == 0 and math.isfinite(self.loss)
+        return self.total_weight == 0
 
 
 class InnerStep(Protocol):

@@ -130,7 +130,7 @@ def build_model(spec: ModelSpec, source: Source, config: TrainConfig) -> TowerMo
         model = call_user_code(spec.make, what)
     if not isinstance(model, TowerModel):
         raise UsageError(f"{what}: made a {type(model).__name__}, not a tower_train.TowerModel")
-    example = source.example_input()
+    example = call_user_code(source.example_input, f"{source.name}: preprocess")
     logits = call_user_code(lambda: model(example, training=False), f"{what}, called on "
                             f"{example.dtype.name} {example.shape.as_list()}")
     check_logits(spec.label, logits, source)

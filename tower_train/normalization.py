@@ -14,7 +14,7 @@ for each update, the data loss and its gradient two ways:
   which is what normalizing per micro-batch or per device does.
 
 and prints the relative error of the second, |g_means - g| / |g| (global L2 norms), and the two
-losses. With equally weighted examples of one label each the two agree exactly; with padded
+losses. With equal shards of equally weighted examples of one label each the two agree exactly; with padded
 sequences of varying length they do not. Nothing is trained or written.
 """
 from __future__ import annotations
@@ -52,6 +52,9 @@ def compare_normalizations(config: TrainConfig, updates: int) -> list[tuple[floa
         sums = [tower_loss_and_gradients(model, *shard) for shard in shards]
         counts = [labels_per_shard(shard[1].shape, [shard[1].shape[0]])[0] for shard in shards]
         total = sum(float(weight) for _, weight, _ in sums)
+        if any(float(weight) == 0 for _, weight, _ in sums):
+            raise UsageError(f"update {len(results) + 1} has a shard whose labels all weigh 0: its "
+                             "mean is undefined; use larger shards (--batch_size)")
         # Shard i's gradient is of sum(w * loss) / c_i: times c_i it is the gradient of its sum.
         weighted = [tf.add_n([grads[v] * (c / total) for (_, _, grads), c in zip(sums, counts)])
                     for v in range(len(model.trainable_variables))]

@@ -93,7 +93,7 @@ class StrategyStep:
             count = labels_per_shard(labels.shape, [labels.shape[0] // self._local_replicas])[0]
             self.apply(tf.constant(count / total_weight, tf.float32))
         else:
-            self.discard(tf.constant(nonfinite > 0))
+            self.discard(tf.constant(nonfinite > 0 and total_weight > 0))  # an empty update: no overflow
         mean_loss = loss_sum / total_weight if total_weight > 0 else 0.0
         return UpdateResult.of(mean_loss + float(regularization), total_weight, applied)
 

@@ -305,6 +305,12 @@ class TFRecordSource(Source):
             labels = tf.identity(labels)
         if self.returns_weights:
             weights = tf.ensure_shape(tf.cast(out[2], tf.float32), lead + self.label_spec.shape.as_list())
+            valid = tf.debugging.Assert(
+                tf.reduce_all(tf.math.is_finite(weights) & (weights >= 0)),
+                [f"{self.name}: a record has a weight that is negative or not finite:", weights],
+                summarize=16)
+            with tf.control_dependencies([valid]):
+                weights = tf.identity(weights)
         else:
             weights = tf.ones_like(labels, tf.float32)
         return features, labels, weights

@@ -115,10 +115,12 @@ class TowerStep:
 
             def refuse() -> tf.Tensor:
                 self._statistics.restore()
-                tf.cond(finite, lambda: None, self._rule.refuse)  # an empty update is no overflow
+                # Only a non-finite update of some weight is an overflow for the loss scale.
+                tf.cond(finite | (total_weight <= 0), lambda: None, self._rule.refuse)
                 return tf.constant(False)
 
             applied = tf.cond(tf.logical_and(finite, total_weight > 0), apply, refuse)
+        # No accumulators at K = 1: the loop then does nothing.
         for device, grad_sums, loss_acc, weight_acc in zip(
                 self._devices, self._grad_sums, self._loss_sums, self._weight_sums):
             with tf.device(device):

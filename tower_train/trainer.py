@@ -4,7 +4,7 @@
 scope, the checkpoints, the example stream, then the Controller, which runs
 updates until --max_steps and around each one applies the policies (refused
 updates, stop signals), saves checkpoints and calls its hooks (progress and
-TensorBoard, held-out evaluation, a multi-worker heartbeat). The inner step,
+TensorBoard, held-out evaluation). The inner step,
 what one update computes, lives in the mode modules. Nothing here prints or
 exits: errors are raised, progress goes to the log and the hooks.
 """
@@ -35,6 +35,7 @@ from tower_train.progress import Progress
 from tower_train.schedules import MovingAverage, UpdateSchedule, scaled_rate, updates_per_decay
 from tower_train.stop_signals import StopSignals
 from tower_train.update_rule import LossScale, UpdateRule
+from tower_train.user_code import call_user_code
 
 _MOMENTUM = 0.9  # the usual value for --optimizer=momentum
 
@@ -117,7 +118,7 @@ def describe_layout(config: TrainConfig, mode: Mode) -> str:
     plan = mode.plan
     return (f"mode={config.mode} ({mode.all_reduce} reduction), {len(plan.tower_devices)} tower(s) "
             f"on {', '.join(plan.tower_devices)}, variables on {mode.variables_on}, "
-            f"batch per tower {config.batch_size}, accum {config.accum}, "
+            f"batch per tower {'/'.join(map(str, config.tower_shard_sizes))}, accum {config.accum}, "
             f"global batch G = {config.global_batch * mode.worker.count}")
 
 
@@ -162,6 +163,7 @@ class Controller:
         self.writer, self.hooks, self.global_batch, self.log = writer, hooks, global_batch, log
         self.stop, self.any_worker, self.heartbeat = stop, any_worker, heartbeat
         self.skipped = self.skipped_in_a_row = 0  # updates refused for a non-finite value
+        self.empty_in_a_row = 0  # updates refused for a total weight of 0
         self.last_checkpoint: str | None = writer.latest()
 
     def run(self) -> float | None:
@@ -173,14 +175,21 @@ class Controller:
                      self.config.max_steps)
         while step < self.config.max_steps:
             start = time.perf_counter()
-            result = self.inner.run_update(self.batches)
+            try:
+                result = self.inner.run_update(self.batches)
+            except (tf.errors.InvalidArgumentError, tf.errors.DataLossError) as e:
+                # A malformed record, a label out of range, a shape the model cannot take.
+                raise TrainingError(f"update {_value(self.state.step) + 1} failed: "
+                                    f"{checkpoints.first_line(e)}; the last good checkpoint is "
+                                    f"{self.last_checkpoint or 'none'}") from None
             seconds = time.perf_counter() - start
             self.heartbeat()
             self.state.examples_seen.assign_add(self.global_batch)
             if not result.applied:
                 self._refused(result)
+                self._stop_if_asked(_value(self.state.step))
                 continue
-            self.skipped_in_a_row = 0
+            self.skipped_in_a_row = self.empty_in_a_row = 0
             step, loss = _value(self.state.step), result.loss
             self._stop_if_asked(step)
             for hook in self.hooks:
@@ -207,6 +216,13 @@ class Controller:
         update = _value(self.state.step) + 1
         loss_scale = self.state.loss_scale
         if result.empty:
+            self.empty_in_a_row += 1
+            if self.empty_in_a_row >= self.config.max_skipped:
+                raise TrainingError(f"{self.empty_in_a_row} updates in a row had total weight 0, up to "
+                                    f"stream position {_value(self.state.examples_seen)}: that reaches "
+                                    f"--max_skipped={self.config.max_skipped} (the data's weights are "
+                                    f"all 0 there); the last good checkpoint is "
+                                    f"{self.last_checkpoint or 'none'}")
             self.log("update %d has total weight 0 (every label weighs 0) and was not applied; "
                      "its examples are passed over", update)
             return
@@ -260,19 +276,6 @@ class EvaluationHook:
         pass
 
 
-class HeartbeatHook:
-    """Tells a multi-worker watchdog that the peers answered."""
-
-    def __init__(self, heartbeat: Callable[[], None]):
-        self.heartbeat = heartbeat
-
-    def after_update(self, event: UpdateEvent) -> None:
-        self.heartbeat()
-
-    def close(self) -> None:
-        pass
-
-
 # --------------------------------------------------------------------------------------------------
 
 
@@ -306,10 +309,10 @@ def train(config: TrainConfig, spec: ModelSpec, source: Source, mode: Mode,
     if stop is not None:
         stop.listen()
     inner = mode.inner_step(state, config)
-    batches = iter(source.train_stream(
+    batches = iter(call_user_code(lambda: source.train_stream(
         seed=config.seed, start_position=_value(state.examples_seen),
         micro_batch=config.batch_size * len(plan.tower_devices),
-        shard_index=worker.index, num_shards=worker.count))
+        shard_index=worker.index, num_shards=worker.count), f"{source.name}: preprocess"))
     log("%s", describe_layout(config, mode))
     summaries = (tf.summary.create_file_writer(config.train_dir) if worker.is_chief
                  else tf.summary.create_noop_writer())

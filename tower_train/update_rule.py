@@ -63,8 +63,9 @@ class UpdateRule:
     loss_scale: LossScale | None = None  # only with --precision=fp16
 
     def clip(self, mean_gradients: list[tf.Tensor]) -> list[tf.Tensor]:
-        """The update's mean gradient (over all G examples) rescaled to a global norm of at
-        most `clip_norm`. Keras's own clipping would clip each replica's share instead."""
+        """The update's gradient (of the weighted mean loss over all G examples, plus the
+        regularization) rescaled to a global norm of at most `clip_norm`. Keras's own clipping
+        would clip each replica's share instead."""
         if self.clip_norm is None:
             return list(mean_gradients)
         return tf.clip_by_global_norm(list(mean_gradients), self.clip_norm)[0]

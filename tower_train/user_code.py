@@ -66,7 +66,7 @@ def import_user_module(module: str, flag: str) -> None:
     try:
         importlib.import_module(module)
     except ModuleNotFoundError as e:
-        if e.name and module.startswith(e.name):
+        if e.name and (e.name == module or module.startswith(e.name + ".")):
             raise UsageError(f"{flag}={module}: no such module in {cwd} or on PYTHONPATH") from None
         raise UserCodeError(f"{flag}={module}: {where(e)}: {describe(e)}") from e
     except UsageError:
