@@ -100,6 +100,10 @@ def test_config_names_parse_and_bad_ones_are_refused():
     bench = parse_config_name("keras_fit_k8", 32)
     assert (bench.kind, bench.accum, bench.batch_size, bench.input) == ("keras_fit", 8, 32, "memory")
     assert parse_config_name("tower_pscpu_k8_tfrecord", 32).input == "tfrecord"
+    skewed = parse_config_name("tower_pscpu_k4_b8_s1-3_data", 32)
+    assert (skewed.tower_split, skewed.batch_size, skewed.input) == ("1,3", 8, "data")
+    with pytest.raises(UsageError, match="_sSHARES .* tower kinds only"):
+        parse_config_name("mirrored_k2_s1-3", 32)
     bench = parse_config_name("central_storage_k1_b256", 32)
     assert (bench.kind, bench.accum, bench.batch_size) == ("central_storage", 1, 256)
     for bad in ("warp_k2", "tower_k1", "plain_k0", "plain_k1_b0", "plain", "mirrored_k2_data_b4"):
@@ -136,10 +140,22 @@ def test_the_default_suites():
 
 def test_benchmark_refuses_bad_flags_in_one_line():
     for args, line in [
-            (["--configs=warp_k2"], "tower_train: error: --configs: 'warp_k2' is not KIND_kK[_bB][_data|_tfrecord] "
+            (["--configs=warp_k2"], "tower_train: error: --configs: 'warp_k2' is not KIND_kK[_bB][_sA-B...][_data|_tfrecord] "
                                     "with KIND in plain, tower_pscpu, tower_psgpu, mirrored, "
                                     "central_storage, keras_fit, K >= 1 and B >= 1"),
             (["--measure=speed"], "tower_train: error: --measure=speed: unknown; allowed: time, memory")]:
         result = benchmark(*args)
         assert result.returncode == 2
         assert result.stderr.strip().splitlines() == [line]
+
+
+def test_a_slowed_first_tower_is_what_a_skewed_split_makes_up_for():
+    """Tower 0 waits 20 ms per example: with an even split of 4 + 4 it waits 80 ms per
+    micro-step, with 1 + 7 only 20 ms, so the skewed split must take less time per update."""
+    result = benchmark("--num_gpus=2", "--batch_size=4", "--updates=2", "--warmup_updates=1",
+                       "--rounds=1", "--slow_tower_ms=20", "--configs=tower_pscpu_k2,tower_pscpu_k2_s1-7")
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = {line.split()[0]: line.split() for line in result.stdout.splitlines()[1:3]}
+    even, skewed = float(rows["tower_pscpu_k2"][-1]), float(rows["tower_pscpu_k2_s1-7"][-1])
+    assert even > 2 * 0.080  # two micro-steps of at least 80 ms each
+    assert skewed < even - 2 * 0.040  # at least 60 ms less waiting per micro-step, minus noise

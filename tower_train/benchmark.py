@@ -25,7 +25,10 @@ A configuration is named KIND_kK[_bB][_data|_tfrecord]:
   shuffle, --augment distortions) instead of one fixed batch held in memory;
 - _tfrecord: the same examples, written once to TFRecord files in a temporary
   directory and streamed from there by a `TFRecordSource` (parse, shuffle buffer,
-  the same preprocessing).
+  the same preprocessing);
+- _sA-B...: tower kinds only, --tower_split=A,B,...: tower i takes share i of every
+  micro-batch. With --slow_tower_ms, tower 0 is made slower than the others, so the
+  suite can show what a skewed split saves on unequal devices.
 """
 from __future__ import annotations
 
@@ -70,7 +73,8 @@ KINDS = {
     "keras_fit": "Keras 3 model.fit on one device, optimizer.gradient_accumulation_steps = K",
 }
 MEASURES = ("time", "memory")
-_NAME = re.compile(r"^(?P<kind>[a-z_]+?)_k(?P<accum>\d+)(?:_b(?P<batch>\d+))?(?:_(?P<input>data|tfrecord))?$")
+_NAME = re.compile(r"^(?P<kind>[a-z_]+?)_k(?P<accum>\d+)(?:_b(?P<batch>\d+))?(?:_s(?P<split>\d+(?:-\d+)+))?"
+                   r"(?:_(?P<input>data|tfrecord))?$")
 INPUTS = ("memory", "data", "tfrecord")  # one fixed batch; the source's pipeline; streamed files
 
 
@@ -83,6 +87,7 @@ class BenchConfig:
     accum: int  # K
     batch_size: int  # B, per tower per micro-step
     input: str  # one of INPUTS
+    tower_split: str | None = None  # --tower_split, e.g. "1,3" (tower kinds only)
 
 
 def parse_config_name(name: str, default_batch_size: int) -> BenchConfig:
@@ -90,10 +95,13 @@ def parse_config_name(name: str, default_batch_size: int) -> BenchConfig:
     match = _NAME.match(name)
     if not match or match["kind"] not in KINDS or int(match["accum"]) < 1 or (
             match["batch"] is not None and int(match["batch"]) < 1):
-        raise UsageError(f"--configs: {name!r} is not KIND_kK[_bB][_data|_tfrecord] with KIND in "
+        raise UsageError(f"--configs: {name!r} is not KIND_kK[_bB][_sA-B...][_data|_tfrecord] with KIND in "
                          f"{', '.join(KINDS)}, K >= 1 and B >= 1")
     batch = default_batch_size if match["batch"] is None else int(match["batch"])
-    return BenchConfig(name, match["kind"], int(match["accum"]), batch, match["input"] or "memory")
+    split = match["split"] and match["split"].replace("-", ",")
+    if split and not match["kind"].startswith("tower_ps"):
+        raise UsageError(f"--configs: {name!r}: _sSHARES (--tower_split) is for the tower kinds only")
+    return BenchConfig(name, match["kind"], int(match["accum"]), batch, match["input"] or "memory", split)
 
 
 def default_configs(measure: str, batch_size: int) -> list[str]:
@@ -119,8 +127,10 @@ class Workload:
     labels_per_example: int
 
 
-def build_workload(bench: BenchConfig, config: TrainConfig, plan: DevicePlan) -> Workload:
-    """A fresh model and optimizer (seeded by --seed) training as `bench` says."""
+def build_workload(bench: BenchConfig, config: TrainConfig, plan: DevicePlan,
+                   slow_tower_ms: float = 0.0) -> Workload:
+    """A fresh model and optimizer (seeded by --seed) training as `bench` says; in tower mode,
+    tower 0 waits `slow_tower_ms` per example of its shard (`slowed_first_tower`)."""
     import numpy as np
     import tensorflow as tf
 
@@ -129,7 +139,8 @@ def build_workload(bench: BenchConfig, config: TrainConfig, plan: DevicePlan) ->
     from tower_train.model_spec import resolve_model
     from tower_train.trainer import build_state
 
-    config = dataclasses.replace(config, batch_size=bench.batch_size, accum=bench.accum)
+    config = dataclasses.replace(config, batch_size=bench.batch_size, accum=bench.accum,
+                                 tower_split=bench.tower_split)
     if bench.kind.startswith("tower_ps"):  # the kind, not --ps_device, says where the variables live
         ps_device = bench.kind.removeprefix("tower_ps")
         config = dataclasses.replace(config, mode="tower", all_reduce="auto", ps_device=ps_device)
@@ -154,7 +165,8 @@ def build_workload(bench: BenchConfig, config: TrainConfig, plan: DevicePlan) ->
                                  source.label_spec.dtype)
             weights = tf.ones(labels.shape, tf.float32)
         dataset = tf.data.Dataset.from_tensors((features, labels, weights)).repeat()
-    builder = {"plain": _plain, "keras_fit": _keras_fit}.get(bench.kind, _mode)
+    builder = {"plain": _plain, "keras_fit": _keras_fit}.get(
+        bench.kind, functools.partial(_mode, slow_tower_ms=slow_tower_ms))
     run = builder(config, plan, dataset, lambda scope: build_state(config, spec, source, scope),
                   source.train_size)
     return Workload(run, micro * bench.accum, source.label_spec.shape.num_elements())
@@ -196,14 +208,40 @@ def _records_of(source):
         name=f"{source.name} as TFRecord files")
 
 
+def slowed_first_tower(state, config: TrainConfig, ms_per_example: float):
+    """Tower mode's tower function, but tower 0 (the one under run_on_towers' name scope
+    "tower_0") also waits `ms_per_example` milliseconds per example of its shard, in a sleep
+    that holds no core: a device slower than the others, as an older GPU beside newer ones."""
+    import tensorflow as tf
+
+    from tower_train.towers import tower_function
+
+    tower = tower_function(state.model, state.loss_scale, config.jit_compile)
+
+    def wait(seconds: tf.Tensor) -> tf.Tensor:
+        time.sleep(float(seconds))
+        return seconds
+
+    def slowed(features, labels, weights):
+        result = tower(features, labels, weights)
+        if "tower_0" not in tf.get_current_name_scope().split("/"):
+            return result
+        delay = tf.cast(tf.shape(labels)[0], tf.float32) * (ms_per_example / 1000.0)
+        with tf.control_dependencies([tf.py_function(wait, [delay], tf.float32)]):
+            return tf.nest.map_structure(tf.identity, result)
+
+    return slowed
+
+
 def _mode(config: TrainConfig, plan: DevicePlan, dataset, new_state: Callable,
-          train_examples: int | None) -> Callable[[int], float]:
+          train_examples: int | None, slow_tower_ms: float = 0.0) -> Callable[[int], float]:
     """tower_pscpu, tower_psgpu, mirrored, central_storage: the trainer's own inner step."""
     from tower_train.modes import build_mode
 
     mode = build_mode(config, plan)
     state = new_state(mode.variable_scope())
-    inner = mode.inner_step(state, config)
+    slow = slow_tower_ms > 0 and config.mode == "tower"
+    inner = mode.inner_step(state, config, slowed_first_tower(state, config, slow_tower_ms) if slow else None)
     batches = iter(dataset)
 
     def run(updates: int) -> float:
@@ -326,9 +364,9 @@ class Measurement:
 
 
 def run_benchmark(config: TrainConfig, benches: list[BenchConfig], plan: DevicePlan, updates: int,
-                  warmup_updates: int, rounds: int) -> list[Measurement]:
+                  warmup_updates: int, rounds: int, slow_tower_ms: float = 0.0) -> list[Measurement]:
     """Times every configuration, alternating, and returns one Measurement each."""
-    workloads = {bench.name: build_workload(bench, config, plan) for bench in benches}
+    workloads = {bench.name: build_workload(bench, config, plan, slow_tower_ms) for bench in benches}
     for workload in workloads.values():
         workload.run(warmup_updates)
     seconds: dict[str, list[float]] = {name: [] for name in workloads}
@@ -507,6 +545,10 @@ def _benchmark(argv: list[str]) -> int:
             raise UsageError(f"--{key}={options[key].value}: must be a whole number >= 1")
     if options["warmup_updates"].value < 1:
         raise UsageError("--warmup_updates must be >= 1: the first update traces")
+    if not options["slow_tower_ms"].value >= 0:
+        raise UsageError(f"--slow_tower_ms={options['slow_tower_ms'].value}: must be a number >= 0")
+    if options["slow_tower_ms"].value and measure == "memory":
+        raise UsageError("--slow_tower_ms: only with --measure=time")
     load_tensorflow()
     check_data(config, None)
     plan = prepare_devices(config, announce=True)
@@ -515,7 +557,8 @@ def _benchmark(argv: list[str]) -> int:
         report = format_memory_report(results)
     else:
         measurements = run_benchmark(config, benches, plan, options["updates"].value,
-                                     options["warmup_updates"].value, options["rounds"].value)
+                                     options["warmup_updates"].value, options["rounds"].value,
+                                     options["slow_tower_ms"].value)
         results = [dataclasses.asdict(m) for m in measurements]
         report = format_report(measurements, len(plan.tower_devices), config.batch_size)
     print(report)

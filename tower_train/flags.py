@@ -43,7 +43,8 @@ def define_benchmark_flags() -> dict[str, flags.FlagHolder]:
     return {
         "configs": flags.DEFINE_list(
             "configs", [],
-            "What to run, as KIND_kK[_bB][_data] (see tower_train/benchmark.py); default: the "
+            "What to run, as KIND_kK[_bB][_sA-B...][_data|_tfrecord] (see tower_train/benchmark.py); "
+            "default: the "
             "suite for --measure."),
         "measure": flags.DEFINE_string(
             "measure", "time",
@@ -54,6 +55,10 @@ def define_benchmark_flags() -> dict[str, flags.FlagHolder]:
         "rounds": flags.DEFINE_integer(
             "rounds", 5, "Rounds; each times every configuration once, so machine drift cancels."),
         "output_json": flags.DEFINE_string("output_json", None, "Also write all results here."),
+        "slow_tower_ms": flags.DEFINE_float(
+            "slow_tower_ms", 0.0,
+            "Tower kinds: tower 0 also waits this many milliseconds per example of its shard, a "
+            "device slower than the others, to show what --tower_split (_sA-B in a name) saves."),
     }
 
 

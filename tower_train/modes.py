@@ -75,17 +75,18 @@ class Mode:
 
         return self.strategy.scope() if self.strategy else tf.device(self.plan.param_device)
 
-    def inner_step(self, state, config: TrainConfig):
+    def inner_step(self, state, config: TrainConfig, tower=None):
         """The `InnerStep` whose `run_update(batches)` applies one update of config.accum
         micro-steps: clipped to --clip_norm, each tower's share as --tower_split says, compiled
-        with XLA under --jit_compile."""
+        with XLA under --jit_compile. `tower` replaces tower mode's tower function (the
+        benchmark's simulated slow device)."""
         rule = state.update_rule(config.clip_norm)
         accum, jit_compile = config.accum, config.jit_compile
         if self.strategy is None:
             from tower_train.tower_mode import TowerStep
 
             return TowerStep(rule, self.plan.tower_devices, self.plan.param_device, accum,
-                             config.tower_shard_sizes, jit_compile)
+                             config.tower_shard_sizes, jit_compile, tower)
         from tower_train.strategy_mode import StrategyStep
 
         return StrategyStep(self.strategy, rule, accum,

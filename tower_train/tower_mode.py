@@ -20,13 +20,13 @@ on the parameter device decides.
 """
 from __future__ import annotations
 
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import tensorflow as tf
 
 from tower_train.inner_step import Batch, UpdateResult
-from tower_train.towers import (combine_gradients, labels_per_shard, regularization_gradients,
-                                run_on_towers, split_batch, tower_function)
+from tower_train.towers import (TowerResult, combine_gradients, labels_per_shard,
+                                regularization_gradients, run_on_towers, split_batch, tower_function)
 from tower_train.update_rule import TrainingStatistics, UpdateRule
 
 
@@ -34,9 +34,12 @@ class TowerStep:
     """The inner step of tower mode for one model, optimizer and device layout."""
 
     def __init__(self, rule: UpdateRule, tower_devices: Sequence[str], param_device: str, accum: int,
-                 shard_sizes: Sequence[int], jit_compile: bool = False):
+                 shard_sizes: Sequence[int], jit_compile: bool = False,
+                 tower: Callable[..., TowerResult] | None = None):
+        """`tower`: the tower function, by default `tower_function` of the rule's model; the
+        benchmark passes one that simulates a slower device."""
         model = rule.model
-        self._tower = tower_function(model, rule.loss_scale, jit_compile)
+        self._tower = tower or tower_function(model, rule.loss_scale, jit_compile)
         self._rule = rule
         self._devices = tuple(tower_devices)
         self._shard_sizes = tuple(shard_sizes)  # examples of each tower per micro-step
