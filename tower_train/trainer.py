@@ -116,9 +116,11 @@ def build_state(config: TrainConfig, spec: ModelSpec, source: Source, variable_s
 
 def describe_layout(config: TrainConfig, mode: Mode) -> str:
     plan = mode.plan
+    shards = (config.batch_size if config.tower_split is None
+              else "/".join(map(str, config.tower_shard_sizes)) + f" (--tower_split={config.tower_split})")
     return (f"mode={config.mode} ({mode.all_reduce} reduction), {len(plan.tower_devices)} tower(s) "
             f"on {', '.join(plan.tower_devices)}, variables on {mode.variables_on}, "
-            f"batch per tower {'/'.join(map(str, config.tower_shard_sizes))}, accum {config.accum}, "
+            f"batch per tower {shards}, accum {config.accum}, "
             f"global batch G = {config.global_batch * mode.worker.count}")
 
 
