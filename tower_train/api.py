@@ -14,6 +14,7 @@ one-line message the CLI prints; nothing is printed and nothing exits.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import sys
@@ -108,6 +109,15 @@ def fit(model: object = None, data: object = None, *, num_classes: int | None = 
         from tower_train.models import model_class
 
         model_class(config.model, config.model_module)  # a bad name fails before the devices
+    from tower_train.checkpoints import TrainDirLock
+
+    # The chief writes the checkpoints, so it holds the train_dir for the whole run.
+    with TrainDirLock(config.train_dir) if worker.is_chief else contextlib.nullcontext():
+        return _fit(config, worker, model, data, num_classes, stop, heartbeat)
+
+
+def _fit(config: TrainConfig, worker, model, data, num_classes, stop, heartbeat):
+    """`fit` once the inputs are checked and the train_dir is this run's."""
     plan = prepare_devices(config)
 
     import tensorflow as tf

@@ -9,16 +9,24 @@ another model. Restoring takes the newest checkpoint that reads back whole.
 from __future__ import annotations
 
 import dataclasses
+import errno
+import fcntl
+import glob
 import json
 import os
+import re
 import shutil
+import socket
+from typing import Callable
+
 import tensorflow as tf
 from absl import logging
 
 from tower_train.config import RUN_FILE
-from tower_train.errors import UsageError
+from tower_train.errors import TrainingError, UsageError
 
 CHECKPOINTS_KEPT = 5  # enough to fall back past a bad one, small enough to ignore
+LOCK_FILE = "lock"  # held by the run that trains in a train_dir
 _STATE_FILE = "checkpoint"  # where tf.train.CheckpointManager lists a directory's checkpoints
 _MODEL_PREFIX = "model/"
 _AVERAGE_PREFIX = "moving_average/"
@@ -81,8 +89,55 @@ def write_run_record(train_dir: str, record: dict) -> None:
             json.dump(record, f, indent=1)
 
 
-def restore_latest_readable(checkpoint: tf.train.Checkpoint, train_dir: str) -> str | None:
-    """Restores the newest checkpoint that reads back whole; says so when it skips a bad one.
+class TrainDirLock:
+    """An exclusive lock on a train_dir for the life of one run: a second run there is refused.
+
+    It is a `flock` on train_dir/lock, so the kernel releases it whenever the holder
+    ends, SIGKILL included: a lock left by a dead run never blocks the next one. The
+    file says who holds it (PID and host), for the refusal's message. Evaluation
+    takes no lock: it only reads.
+    """
+
+    def __init__(self, train_dir: str):
+        self._created = not os.path.isdir(train_dir)
+        os.makedirs(train_dir, exist_ok=True)
+        self._path = path = os.path.join(train_dir, LOCK_FILE)
+        self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            holder = os.pread(self._fd, 200, 0).decode(errors="replace").strip() or "unknown"
+            os.close(self._fd)
+            if e.errno not in (errno.EWOULDBLOCK, errno.EACCES):
+                raise UsageError(f"--train_dir={train_dir}: cannot lock {path} ({e.strerror})") from None
+            raise UsageError(f"--train_dir={train_dir}: another run is training there ({holder}); "
+                             f"wait for it to end, or add --train_dir={fresh_directory(train_dir)}") from None
+        try:
+            os.ftruncate(self._fd, 0)
+            os.pwrite(self._fd, f"PID {os.getpid()} on host {socket.gethostname()}\n".encode(), 0)
+        except OSError:
+            pass  # a full disk: the lock holds all the same, only its message names no one
+
+    def release(self) -> None:
+        """Releases the lock; a train_dir this run made and never wrote to goes again, so a run
+        refused after taking it leaves nothing behind."""
+        directory = os.path.dirname(self._path)
+        if self._created and os.listdir(directory) == [LOCK_FILE]:
+            os.remove(self._path)
+            os.rmdir(directory)
+        os.close(self._fd)  # releases the flock
+
+    def __enter__(self) -> "TrainDirLock":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def restore_latest_readable(checkpoint: tf.train.Checkpoint, train_dir: str,
+                            is_finite: Callable[[], bool] = lambda: True) -> str | None:
+    """Restores the newest checkpoint that reads back whole and, by `is_finite`, holds only
+    finite values; says so when it skips a bad one.
 
     Returns its path, or None when train_dir holds no checkpoint.
     Raises UsageError when it holds some and none is readable.
@@ -93,6 +148,9 @@ def restore_latest_readable(checkpoint: tf.train.Checkpoint, train_dir: str) -> 
     for path in paths:
         try:
             checkpoint.restore(path).assert_existing_objects_matched()
+            if not is_finite():
+                failures.append(f"checkpoint {path} holds non-finite values")
+                continue
             if failures:
                 logging.warning("%s; resuming from the older %s", "; ".join(failures), path)
             return path
@@ -120,10 +178,22 @@ class CheckpointWriter:
                                                    max_to_keep=CHECKPOINTS_KEPT)
 
     def save(self, step: int) -> str:
-        """Writes ckpt-<step>; returns its path in train_dir."""
-        self._manager.save(checkpoint_number=step)
-        if self._is_chief:
-            write_run_record(self.train_dir, self._record)
+        """Writes ckpt-<step>; returns its path in train_dir.
+
+        Raises TrainingError when it cannot be written (a full disk, a lost mount), after
+        removing what the failed write left: the earlier checkpoints stay as they were.
+        """
+        try:
+            self._manager.save(checkpoint_number=step)
+            if self._is_chief:
+                write_run_record(self.train_dir, self._record)
+        except (tf.errors.OpError, OSError) as e:
+            for leftover in glob.glob(os.path.join(glob.escape(self._directory), f"ckpt-{step}_temp*")):
+                shutil.rmtree(leftover, ignore_errors=True)
+            raise TrainingError(f"cannot write checkpoint ckpt-{step} in --train_dir={self.train_dir} "
+                                f"({write_failure(e)}); its partial files are removed and the last "
+                                f"checkpoint, {self.latest() or 'none'}, is intact; make room and run "
+                                "the same command to resume") from None
         return os.path.join(self.train_dir, f"ckpt-{step}")
 
     def latest(self) -> str | None:
@@ -256,6 +326,17 @@ def _shape_mismatch(objects: dict, path: str) -> str | None:
         if target is not None and here is not None and list(here) != list(shape):
             return f"{key[:-len(suffix)]} is {list(shape)} there, {list(here)} here"
     return None
+
+
+_WRITE_FAILURES = re.compile(r"No space left on device|Disk quota exceeded|Read-only file system|"
+                             r"Permission denied|Input/output error")
+
+
+def write_failure(error: BaseException) -> str:
+    """Why a write failed, in the system's words when it gives them (TF's own message wraps them
+    in op names and temporary paths)."""
+    known = _WRITE_FAILURES.search(str(error))
+    return known.group(0) if known else first_line(error)
 
 
 def first_line(error: BaseException, limit: int = 200) -> str:

@@ -9,22 +9,62 @@ and then every --log_every updates:
 
 The first update of a process traces the step functions, so it is reported but
 not timed. TensorBoard gets loss, learning rate, examples/sec and, in float16,
-the loss scale every --log_every updates, whichever way progress is shown.
+the loss scale every --log_every updates, whichever way progress is shown. A
+summary that cannot be written (a full disk) turns them off with one warning and
+training goes on: the checkpoints, which a resume needs, report their own failures.
 """
 from __future__ import annotations
 
 from typing import Callable
 
 import tensorflow as tf
+from absl import logging
 
+from tower_train.checkpoints import write_failure
 from tower_train.config import TrainConfig
+
+
+class Summaries:
+    """TensorBoard scalars in a directory (None: nowhere), off for good after one failed write."""
+
+    def __init__(self, directory: str | None):
+        self._directory = directory
+        self._writer = None
+        if directory is not None:
+            try:
+                self._writer = tf.summary.create_file_writer(directory)
+            except tf.errors.OpError as e:
+                self._turn_off(e)
+
+    def scalars(self, step: int, values: dict[str, float]) -> None:
+        if self._writer is None:
+            return
+        try:
+            with self._writer.as_default(step=step):
+                for name, value in values.items():
+                    tf.summary.scalar(name, value)
+        except tf.errors.OpError as e:
+            self._turn_off(e)
+
+    def close(self) -> None:
+        if self._writer is None:
+            return
+        try:
+            self._writer.close()  # writes what is still queued
+        except tf.errors.OpError as e:
+            self._turn_off(e)
+
+    def _turn_off(self, error: tf.errors.OpError) -> None:
+        self._writer = None
+        logging.warning("TensorBoard summaries are off from here: cannot write them to %s (%s); "
+                        "training goes on", self._directory, write_failure(error))
 
 
 class Progress:
     """A Controller hook (see `tower_train.trainer.Hook`) that reports every applied update."""
 
     def __init__(self, config: TrainConfig, global_batch: int, first_step: int,
-                 summaries: tf.summary.SummaryWriter, log: Callable[..., None], live: bool):
+                 summaries: Summaries, log: Callable[..., None], live: bool):
         self._log_every, self._max_steps = config.log_every, config.max_steps
         self._global_batch, self._summaries, self._log = global_batch, summaries, log
         self._timed_updates, self._timed_seconds = 0, 0.0  # since the last log line
@@ -67,15 +107,13 @@ class Progress:
             self._bar.close()
 
     def _write_summaries(self, event, scale: float | None) -> None:
-        learning_rate = float(tf.convert_to_tensor(event.state.optimizer.learning_rate))
-        with self._summaries.as_default(step=event.step):
-            tf.summary.scalar("loss", event.loss)
-            tf.summary.scalar("learning_rate", learning_rate)
-            if scale is not None:
-                tf.summary.scalar("loss_scale", scale)
-            if self._timed_updates:
-                tf.summary.scalar("examples_per_sec",
-                                  self._global_batch * self._timed_updates / self._timed_seconds)
+        values = {"loss": event.loss,
+                  "learning_rate": float(tf.convert_to_tensor(event.state.optimizer.learning_rate))}
+        if scale is not None:
+            values["loss_scale"] = scale
+        if self._timed_updates:
+            values["examples_per_sec"] = self._global_batch * self._timed_updates / self._timed_seconds
+        self._summaries.scalars(event.step, values)
 
     def _log_line(self, step: int, loss: float, scale: float | None) -> None:
         scale_text = "" if scale is None else f", loss scale {scale:g}"

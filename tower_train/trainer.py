@@ -31,7 +31,7 @@ from tower_train.inner_step import Batch, InnerStep, UpdateResult
 from tower_train.model_spec import ModelSpec, build_model
 from tower_train.models import TowerModel
 from tower_train.modes import Mode
-from tower_train.progress import Progress
+from tower_train.progress import Progress, Summaries
 from tower_train.schedules import MovingAverage, UpdateSchedule, scaled_rate, updates_per_decay
 from tower_train.stop_signals import StopSignals
 from tower_train.update_rule import LossScale, UpdateRule
@@ -60,6 +60,26 @@ class TrainState:
     def update_rule(self, clip_norm: float | None) -> UpdateRule:
         return UpdateRule(self.model, self.optimizer, self.step, clip_norm, self.moving_average,
                           self.loss_scale)
+
+    def finite_check(self) -> Callable[[], bool]:
+        """A function saying whether every float value the checkpoint would hold is finite.
+
+        An update with a finite loss and gradient can still leave inf or NaN behind (a huge
+        learning rate, an optimizer's moments overflowing); this is what keeps such weights out
+        of every checkpoint. One reduction over the state, run after each update."""
+        floats = [v for v in self.checkpoint_variables() if tf.as_dtype(v.dtype).is_floating]
+
+        @tf.function
+        def all_finite() -> tf.Tensor:
+            return tf.reduce_all(tf.stack([tf.reduce_all(tf.math.is_finite(v)) for v in floats]))
+
+        return lambda: bool(all_finite())
+
+    def checkpoint_variables(self) -> list:
+        variables = [*self.model.variables, *self.optimizer.variables]
+        if self.moving_average is not None:
+            variables += self.moving_average.averages
+        return variables
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,6 +187,7 @@ class Controller:
         self.skipped = self.skipped_in_a_row = 0  # updates refused for a non-finite value
         self.empty_in_a_row = 0  # updates refused for a total weight of 0
         self.last_checkpoint: str | None = writer.latest()
+        self.state_is_finite = state.finite_check()
 
     def run(self) -> float | None:
         """Trains to max_steps; returns the loss of the last applied update (None if none was)."""
@@ -193,6 +214,12 @@ class Controller:
                 continue
             self.skipped_in_a_row = self.empty_in_a_row = 0
             step, loss = _value(self.state.step), result.loss
+            if not self.state_is_finite():
+                raise TrainingError(
+                    f"update {step} had a finite loss ({loss:.4g}) and gradient but left non-finite "
+                    "values in the weights or the optimizer's state (a learning rate too large, or "
+                    "the optimizer overflowed); stopping without saving them; the last good "
+                    f"checkpoint is {self.last_checkpoint or 'none'}")
             self._stop_if_asked(step)
             for hook in self.hooks:
                 hook.after_update(UpdateEvent(step, loss, seconds, self.state))
@@ -260,7 +287,7 @@ class EvaluationHook:
     """Held-out precision every `every` updates (not at the last: training evaluates then)."""
 
     def __init__(self, source: Source, batch_size: int, devices: Sequence[str], every: int,
-                 max_steps: int, summaries: tf.summary.SummaryWriter, log: Callable[..., None]):
+                 max_steps: int, summaries: Summaries, log: Callable[..., None]):
         self.source, self.batch_size, self.devices = source, batch_size, devices
         self.every, self.max_steps, self.summaries, self.log = every, max_steps, summaries, log
 
@@ -270,8 +297,7 @@ class EvaluationHook:
         precision, count = evaluate(event.state.model, self.source, self.batch_size, self.devices)
         if precision is None:
             return
-        with self.summaries.as_default(step=event.step):
-            tf.summary.scalar("eval_precision", precision)
+        self.summaries.scalars(event.step, {"eval_precision": precision})
         self.log("step %d, held-out precision @ 1 = %.4f (%d examples)", event.step, precision, count)
 
     def close(self) -> None:
@@ -305,7 +331,7 @@ def train(config: TrainConfig, spec: ModelSpec, source: Source, mode: Mode,
     checkpoint = state.checkpoint()
     writer = checkpoints.CheckpointWriter(checkpoint, config.train_dir, record, worker.is_chief,
                                           worker.index)
-    latest = checkpoints.restore_latest_readable(checkpoint, config.train_dir)
+    latest = checkpoints.restore_latest_readable(checkpoint, config.train_dir, state.finite_check())
     if latest:
         log("resumed from %s at step %d", latest, _value(state.step))
     if stop is not None:
@@ -316,8 +342,7 @@ def train(config: TrainConfig, spec: ModelSpec, source: Source, mode: Mode,
         micro_batch=config.batch_size * len(plan.tower_devices),
         shard_index=worker.index, num_shards=worker.count), f"{source.name}: preprocess"))
     log("%s", describe_layout(config, mode))
-    summaries = (tf.summary.create_file_writer(config.train_dir) if worker.is_chief
-                 else tf.summary.create_noop_writer())
+    summaries = Summaries(config.train_dir if worker.is_chief else None)
     hooks: list[Hook] = [Progress(config, global_batch, _value(state.step), summaries, log,
                                   live_progress and worker.is_chief)]
     if config.eval_every:
