@@ -7,11 +7,13 @@ import socket
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
 from helpers import read_until
 from test_cli_errors import ROOT, run_cli
+from test_modes import kill_running
 from test_resume import start
 
 SMALL = ["--num_gpus=2", "--batch_size=8", "--log_every=1", "--checkpoint_every=1"]
@@ -138,3 +140,39 @@ def test_weights_made_non_finite_by_a_finite_gradient_are_never_saved(tmp_path):
     assert "update 2 had a finite loss" in line and "left non-finite values" in line
     assert f"the last good checkpoint is {train_dir}/ckpt-1" in line
     assert digests(train_dir) == saved
+
+
+def test_a_stop_that_reaches_no_update_boundary_ends_the_run_unsaved_after_the_grace_period(tmp_path):
+    """An update of 100,000 micro-steps: the boundary is minutes away."""
+    train_dir = tmp_path / "run"
+    process = start(f"--train_dir={train_dir}", "--accum=100000", "--max_steps=1",
+                    "--stop_grace_period=3", *SMALL)
+    try:
+        seen = read_until(process, "micro-step", timeout=300)  # the long update's progress line
+        process.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        rest = process.communicate(timeout=120)[1]
+        waited = time.monotonic() - signalled
+    finally:
+        kill_running([process])
+    assert process.returncode == -signal.SIGKILL, seen + rest
+    assert 3 <= waited < 20, waited
+    errors = [line for line in rest.splitlines() if line.startswith("tower_train:")]
+    assert errors == ["tower_train: no update boundary within 3 s of SIGTERM (--stop_grace_period): "
+                      "exited without saving; no checkpoint had been written yet"], rest
+    assert "Traceback" not in rest
+    assert not list(train_dir.glob("ckpt-*"))
+
+
+def test_sigint_during_start_up_is_one_line_and_writes_nothing(tmp_path):
+    process = start(f"--train_dir={tmp_path / 'run'}", "--max_steps=1", *SMALL)
+    try:
+        time.sleep(1.5)  # Python is up and loading TensorFlow: seconds before training listens
+        process.send_signal(signal.SIGINT)
+        stderr = process.communicate(timeout=120)[1]
+    finally:
+        kill_running([process])
+    assert process.returncode == 130, stderr
+    assert stderr.strip().splitlines() == ["tower_train: interrupted by SIGINT outside training; the "
+                                           "checkpoints already written are intact"]
+    assert list(tmp_path.iterdir()) == []

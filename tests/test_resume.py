@@ -32,6 +32,11 @@ def signal_after(process, line, number):
         kill_running([process])
 
 
+def saved_files(train_dir) -> dict[str, bytes]:
+    """Every file of a train_dir but the lock, which names whichever run holds it now."""
+    return {p.name: p.read_bytes() for p in train_dir.iterdir() if p.name != "lock"}
+
+
 def assert_same_weights(dir_a, dir_b):
     a, b = checkpoint_values(str(dir_a)), checkpoint_values(str(dir_b))
     assert a.keys() == b.keys()
@@ -74,24 +79,24 @@ def test_no_readable_checkpoint_is_one_line_and_touches_nothing(tmp_path):
     assert run_cli(*SMALL, "--max_steps=1", f"--train_dir={tmp_path}").returncode == 0
     data = tmp_path / "ckpt-1.data-00000-of-00001"
     data.write_bytes(b"garbage")
-    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    before = saved_files(tmp_path)
     result = run_cli(*SMALL, "--max_steps=2", f"--train_dir={tmp_path}")
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert lines[-1].startswith(f"tower_train: error: --train_dir={tmp_path}: no readable checkpoint: "
                                 f"checkpoint {tmp_path}/ckpt-1 is unreadable")
-    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+    assert saved_files(tmp_path) == before
 
 
 def test_a_train_dir_of_another_run_is_refused_saying_what_differs(tmp_path):
     assert run_cli(*SMALL, "--max_steps=1", f"--train_dir={tmp_path}").returncode == 0
-    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    before = saved_files(tmp_path)
     result = run_cli("--num_gpus=2", "--batch_size=16", "--seed=3", "--max_steps=2",
                      f"--train_dir={tmp_path}")
     assert result.returncode == 2
     last = result.stderr.strip().splitlines()[-1]
     assert "holds another run: seed 0 there, 3 here; global_batch 16 there, 32 here" in last
-    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+    assert saved_files(tmp_path) == before
     # The same G factored differently is the same run.
     same_g = run_cli("--num_gpus=1", "--batch_size=16", "--max_steps=2", f"--train_dir={tmp_path}")
     assert same_g.returncode == 0 and "at step 1" in same_g.stderr

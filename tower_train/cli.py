@@ -5,7 +5,8 @@ turns the library's errors into one line on stderr and an exit status:
 
     2    bad input (UsageError, a bad flag): `tower_train: error: <message>`
     1    training cannot go on (TrainingError): `tower_train: <message>`
-    128+ stopped by a signal at an update boundary, saved (Stopped)
+    128+ stopped by a signal at an update boundary, saved (Stopped); 130 for SIGINT outside
+         training (start-up, the final evaluation), with nothing saved
 
 The one-line message of an error in the user's own code names its file:line;
 with TOWER_TRAIN_TRACEBACK=1 the full traceback follows it.
@@ -15,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import logging as stdlib_logging
 import os
+import signal
 import sys
 import tempfile
 import traceback
@@ -64,6 +66,11 @@ def command(body: Callable[[], int]) -> int:
     except TrainingError as e:
         print(f"{PROG}: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        # SIGINT before training listens for it (start-up) or after (the final evaluation).
+        print(f"{PROG}: interrupted by SIGINT outside training; the checkpoints already written "
+              "are intact", file=sys.stderr)
+        return 128 + signal.SIGINT
 
 
 def fail(error: Exception) -> int:
@@ -148,7 +155,7 @@ def native_startup_lines_hidden() -> Iterator[None]:
     Those lines (oneDNN, CUDA probing) are written before any log level
     applies, and would bury both the one-line errors and the device plan's
     log line, which says the same in plain words. If loading fails, they are
-    shown after all; a usage error is the user's, not TF's, and stays one line.
+    shown after all; a usage error or a Ctrl-C is the user's, not TF's, and stays one line.
     """
     sys.stderr.flush()
     saved = os.dup(2)
@@ -156,7 +163,7 @@ def native_startup_lines_hidden() -> Iterator[None]:
         os.dup2(sink.fileno(), 2)
         try:
             yield
-        except UsageError:
+        except (UsageError, KeyboardInterrupt):
             raise
         except BaseException:
             os.dup2(saved, 2)

@@ -65,6 +65,11 @@ class TrainConfig:
     ps_device: str = option(
         "cpu", f"Where all variables live: {' | '.join(PS_DEVICES)} (gpu = GPU 0, or the first "
         "tower's device when there is no GPU).")
+    # A preempted machine gives ~30 s between SIGTERM and SIGKILL; an update boundary usually comes
+    # much sooner.
+    stop_grace_period: float = option(
+        30.0, "Seconds a stop signal (SIGTERM, SIGINT) waits for the end of the current update to "
+        "save there; after them the process exits unsaved, its checkpoints intact.")
     # None = GPU 0's memory / N.
     gpu_memory_mb: int | None = option(
         None, "Memory of each logical GPU when GPU 0 is split (default: its memory / num_gpus).")
@@ -156,6 +161,8 @@ class TrainConfig:
                              f"{', '.join(ALL_REDUCE_BY_MODE[self.mode])}")
         if not self.collective_timeout > 0:
             raise UsageError(f"--collective_timeout={self.collective_timeout}: must be seconds > 0")
+        if not (self.stop_grace_period > 0 and math.isfinite(self.stop_grace_period)):
+            raise UsageError(f"--stop_grace_period={self.stop_grace_period}: must be seconds > 0")
         _one_of("ps_device", self.ps_device, PS_DEVICES)
         _one_of("optimizer", self.optimizer, OPTIMIZERS)
         _one_of("nonfinite", self.nonfinite, NONFINITE_POLICIES)

@@ -11,6 +11,7 @@ exits: errors are raised, progress goes to the log and the hooks.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import signal
 import time
@@ -38,6 +39,7 @@ from tower_train.update_rule import LossScale, UpdateRule
 from tower_train.user_code import call_user_code
 
 _MOMENTUM = 0.9  # the usual value for --optimizer=momentum
+LONG_UPDATE_NOTE = 10.0  # seconds: an update that takes longer says how far it is, this often
 
 
 @dataclasses.dataclass
@@ -199,7 +201,7 @@ class Controller:
         while step < self.config.max_steps:
             start = time.perf_counter()
             try:
-                result = self.inner.run_update(self.batches)
+                result = self.inner.run_update(self._noted(_value(self.state.step) + 1, start))
             except (tf.errors.InvalidArgumentError, tf.errors.DataLossError) as e:
                 # A malformed record, a label out of range, a shape the model cannot take.
                 raise TrainingError(f"update {_value(self.state.step) + 1} failed: "
@@ -227,6 +229,18 @@ class Controller:
                 self._save(step)
         return loss
 
+    def _noted(self, update: int, start: float) -> Iterator[Batch]:
+        """The micro-batches, with a log line every LONG_UPDATE_NOTE seconds of an update that
+        takes longer, so that a large --accum shows it is alive."""
+        note_at = start + LONG_UPDATE_NOTE
+        for taken in itertools.count(1):
+            now = time.perf_counter()
+            if now >= note_at:
+                self.log("update %d: micro-step %d of %d (%.0f s so far)", update, taken,
+                         self.config.accum, now - start)
+                note_at = now + LONG_UPDATE_NOTE
+            yield next(self.batches)
+
     def _save(self, step: int) -> None:
         self.last_checkpoint = self.writer.save(step)
         self.heartbeat()
@@ -235,6 +249,8 @@ class Controller:
         signal_number = self.stop.received() if self.stop is not None else None
         if not self.any_worker(signal_number is not None):
             return
+        if self.stop is not None:
+            self.stop.at_boundary()
         self._save(step)
         name = signal.Signals(signal_number).name if signal_number else "a peer's signal"
         raise Stopped(f"stopped by {name} after update {step}; saved {self.last_checkpoint}; "
@@ -334,8 +350,6 @@ def train(config: TrainConfig, spec: ModelSpec, source: Source, mode: Mode,
     latest = checkpoints.restore_latest_readable(checkpoint, config.train_dir, state.finite_check())
     if latest:
         log("resumed from %s at step %d", latest, _value(state.step))
-    if stop is not None:
-        stop.listen()
     inner = mode.inner_step(state, config)
     batches = iter(call_user_code(lambda: source.train_stream(
         seed=config.seed, start_position=_value(state.examples_seen),
@@ -350,6 +364,8 @@ def train(config: TrainConfig, spec: ModelSpec, source: Source, mode: Mode,
                                     config.eval_every, config.max_steps, summaries, log))
     controller = Controller(config, state, inner, batches, writer, hooks, global_batch, log, stop,
                             mode.any_worker, heartbeat)
+    if stop is not None:
+        stop.listen(config.stop_grace_period, config.train_dir)
     try:
         loss = controller.run()
     finally:
@@ -358,6 +374,8 @@ def train(config: TrainConfig, spec: ModelSpec, source: Source, mode: Mode,
             hook.close()
         summaries.close()
         writer.close()
+        if stop is not None:
+            stop.close()
 
     precision, count = evaluate(state.model, source, config.eval_batch_size, plan.tower_devices)
     if config.export_dir and worker.is_chief:
