@@ -68,6 +68,23 @@ CASES = [
     (["--export_dir={file}"], "is a file, not a directory"),
     (["--precision=fp8"], "--precision=fp8: unknown; allowed: fp32, bf16, fp16"),
     (["--num_gpus=2", "--jit_compile"], "--jit_compile: XLA cannot read the variables on /cpu:0"),
+    (["--num_gpus=100000"], "--num_gpus=100000: no GPU found, and the CPU is split into at most 64 towers"),
+    (["--num_gpus=2", "--batch_size=100000000"],
+     "--batch_size=100000000 x 2 tower(s): 200,000,000 examples of 6,912 bytes"),
+    (["--eval_batch_size=100000000"], "GiB of memory is available; lower it"),
+    (["--export_dir={file}/sub"], "{file} is a file, so the directory cannot be made"),
+    (["--export_dir=/proc/tower_train_export"], "cannot make a directory in /proc"),
+    (["--train_dir=/proc/tower_train_run"], "cannot make a directory in /proc"),
+    (["--train_dir="], "--train_dir is empty"),
+    (["--stop_grace_period=0"], "--stop_grace_period=0.0: must be seconds > 0"),
+    (["--stop_grace_period=nan"], "--stop_grace_period=nan: must be seconds > 0"),
+    (["--stop_grace_period=inf"], "--stop_grace_period=inf: must be seconds > 0"),
+    (["--eval_every=-1"], "--eval_every=-1"),
+    (["--eval_batch_size=0"], "--eval_batch_size=0"),
+    (["--max_skipped=0"], "--max_skipped=0"),
+    (["--nonfinite=ignore"], "allowed: stop, skip"),
+    (["--num_gpus=1", "--tower_split=2,2"], "--tower_split=2,2: 2 shares for 1 tower(s)"),
+    (["--flagfile={missing}"], "{missing}"),
 ]
 TWO_WORKERS = '{"cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:2"]}, "task": {"type": "worker", "index": %s}}'
 # (flags, TF_CONFIG, text the error must contain)
@@ -81,7 +98,8 @@ CASES = [(args, expected, None) for args, expected in CASES] + [
     (args, expected, tf_config) for args, tf_config, expected in TF_CONFIG_CASES]
 # Bad only on a machine without a GPU: with one, the command has a whole GPU for --all_reduce=nccl,
 # and a multi_worker worker may run two GPU towers.
-CPU_ONLY = [["--mode=mirrored", "--all_reduce=nccl"], ["--mode=multi_worker", "--num_gpus=2"]]
+CPU_ONLY = [["--mode=mirrored", "--all_reduce=nccl"], ["--mode=multi_worker", "--num_gpus=2"],
+            ["--num_gpus=100000"]]
 
 
 @pytest.mark.parametrize("args,expected,tf_config", [

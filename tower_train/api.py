@@ -73,6 +73,18 @@ def check_data(config: TrainConfig, data: object) -> None:
                              "source (augment in its preprocess)")
 
 
+def check_input_memory(config: TrainConfig, source, towers: int) -> None:
+    """Refuses a training or evaluation batch whose inputs alone would not fit in memory."""
+    from tower_train import data as data_module
+
+    available = data_module.available_memory_bytes()
+    data_module.check_batch_memory(
+        source, config.batch_size * towers, data_module.TRAIN_BATCHES_HELD,
+        f"--batch_size={config.batch_size} x {towers} tower(s)", available)
+    data_module.check_batch_memory(source, config.eval_batch_size, 2,
+                                   f"--eval_batch_size={config.eval_batch_size}", available)
+
+
 def fit(model: object = None, data: object = None, *, num_classes: int | None = None,
         stop=None, heartbeat: Callable[[], None] | None = None, **options):
     """Trains `model` on `data` until --max_steps updates, resuming from train_dir.
@@ -132,6 +144,7 @@ def _fit(config: TrainConfig, worker, model, data, num_classes, stop, heartbeat)
     source = data if data is not None else data_module.load_source(
         config.dataset, config.data_dir, config.augment)
     source.check()
+    check_input_memory(config, source, len(plan.tower_devices))
     spec = resolve_model(model, config, num_classes, source.num_classes)
     try:
         return trainer.train(config, spec, source, mode, heartbeat or (lambda: None), stop,

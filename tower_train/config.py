@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import tempfile
 
 from tower_train.errors import UsageError
 
@@ -249,13 +250,22 @@ def check_train_dir(path: str) -> None:
     """Refuses a train_dir that cannot hold checkpoints, before anything is written."""
     if os.path.exists(path) and not os.path.isdir(path):
         raise UsageError(f"--train_dir={path}: is a file, not a directory")
-    existing = path
+    _check_can_be_made("--train_dir", path)
+
+
+def _check_can_be_made(flag: str, path: str, inside: str | None = None) -> None:
+    """Refuses a directory `inside` (default: `path` itself) that cannot be made: its nearest
+    existing ancestor must be a directory where one can be made, which is tried (root passes
+    every permission check, and a read-only mount or /proc fails only when tried)."""
+    existing = os.path.abspath(path if inside is None else inside)
     while not os.path.exists(existing):
-        existing = os.path.dirname(existing) or "."
+        existing = os.path.dirname(existing)
     if not os.path.isdir(existing):
-        raise UsageError(f"--train_dir={path}: {existing} is a file, so the directory cannot be made")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise UsageError(f"--train_dir={path}: {existing} is not writable")
+        raise UsageError(f"{flag}={path}: {existing} is a file, so the directory cannot be made")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".tower_train_probe_", dir=existing))
+    except OSError as e:
+        raise UsageError(f"{flag}={path}: cannot make a directory in {existing} ({e.strerror})") from None
 
 
 def check_export_dir(path: str) -> None:
@@ -266,3 +276,5 @@ def check_export_dir(path: str) -> None:
     if os.path.isdir(path) and os.listdir(path):
         raise UsageError(f"--export_dir={path}: exists and is not empty; name a new directory "
                          "(nothing is overwritten)")
+    # The export is staged beside it and moved in: its parent must be writable.
+    _check_can_be_made("--export_dir", path, inside=os.path.dirname(os.path.abspath(path)))

@@ -43,6 +43,7 @@ _HOST = "/cpu:0"  # input pipelines run on the host, as in the original
 # behind the compute, as the original's queue of 2 x towers examples did; an autotuned buffer of
 # an endless stream kept filling (with RAM and both cores) after training had stopped.
 TRAIN_PREFETCH = 2
+TRAIN_BATCHES_HELD = TRAIN_PREFETCH + 2  # prefetched, being split, and the towers' shards
 
 Preprocess = Callable[[tf.Tensor, tf.Tensor, bool], tf.Tensor]
 
@@ -132,6 +133,34 @@ class Source(abc.ABC):
         """One all-zero example as the model takes it, [1, ...]: builds a model's variables."""
         zeros = tf.zeros([1, *self.feature_spec.shape], self.feature_spec.dtype)
         return self.model_input(zeros, tf.zeros([1, 2], tf.int64), training=False)
+
+
+def available_memory_bytes() -> int | None:
+    """MemAvailable of /proc/meminfo (Linux): what can be allocated without swapping."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def check_batch_memory(source: Source, examples: int, copies: int, what: str,
+                       available: int | None) -> None:
+    """Refuses a batch whose inputs alone, `copies` of them held at once, exceed `available` bytes
+    of memory: better one line now than minutes of swapping before an out-of-memory kill.
+    `what` names the flags that set `examples`."""
+    if available is None:
+        return
+    example = source.example_input()
+    per_example = example.shape[1:].num_elements() * example.dtype.size
+    needed = examples * per_example * copies
+    if needed > available:
+        raise UsageError(f"{what}: {examples:,} examples of {per_example:,} bytes as the model takes "
+                         f"them, {copies} batches held at once, need {needed / 2**30:,.1f} GiB but "
+                         f"{available / 2**30:,.1f} GiB of memory is available; lower it")
 
 
 def check_stream_arguments(seed: int, start_position: int, micro_batch: int, shard_index: int,

@@ -15,6 +15,9 @@ from tower_train.errors import UsageError
 
 HOST_DEVICE = "/cpu:0"  # where input pipelines run and, with --ps_device=cpu, the variables live
 MIN_LOGICAL_GPU_MB = 256  # below this a tower's cuDNN workspace and activations cannot fit
+# No host has more than 16 GPUs; 4 x that emulates any real layout. A tower costs a copy of the
+# model's graph, so 100,000 CPU towers take minutes and gigabytes before the first update.
+MAX_CPU_TOWERS = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +89,10 @@ def plan_devices(
         message = (f"{num_physical_gpus} GPU(s) found for --num_gpus={num_gpus}: split GPU 0 into "
                    f"{num_gpus} logical GPUs of {limit} MB each, towers on {device_span(towers)}")
     else:
+        if num_gpus > MAX_CPU_TOWERS:
+            raise UsageError(f"--num_gpus={num_gpus}: no GPU found, and the CPU is split into at most "
+                             f"{MAX_CPU_TOWERS} towers (each adds a copy of the model's graph); "
+                             f"use 1..{MAX_CPU_TOWERS}")
         towers = tuple(f"/cpu:{i + 1}" for i in range(num_gpus))
         split, num_logical, limit = "cpu", num_gpus + 1, None
         message = (f"no GPU found for --num_gpus={num_gpus}: split the CPU into {num_gpus + 1} "
