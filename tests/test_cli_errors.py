@@ -56,6 +56,7 @@ CASES = [
     (["--mode=mirrored", "--all_reduce=nccl"], "needs one physical GPU per tower"),
     (["--mode=central_storage", "--all_reduce=one_device"], "allowed: auto"),
     (["--collective_timeout=0"], "--collective_timeout=0"),
+    (["--collective_timeout=3"], "--collective_timeout=3.0: must be seconds >= 10"),
     (["--mode=multi_worker"], "needs TF_CONFIG"),
     (["--mode=central_storage", "--model=resnet20"], "CentralStorageStrategy cannot update"),
     (["--sync_bn"], "--sync_bn: only with --mode=mirrored or multi_worker"),

@@ -137,8 +137,8 @@ def test_two_workers_equal_tower_mode_with_two_towers(tmp_path):
     assert "[worker 0/2] step 4, loss = " in logs[0][1] and "[worker 1/2] step 4, loss = " in logs[1][1]
     assert "mode=multi_worker (ring reduction)" in logs[0][1] and "global batch G = 64" in logs[0][1]
     written = [f for f in os.listdir(tmp_path / "mw") if not f.startswith("events")]
-    assert sorted(written) == ["checkpoint", "ckpt-4.data-00000-of-00001", "ckpt-4.index",
-                               "tower_train_run.json"]  # no worker's temp dir left
+    assert sorted(written) == ["checkpoint", "ckpt-4.data-00000-of-00001", "ckpt-4.index", "lock",
+                               "tower_train_run.json"]  # no worker's temp dir left; the chief's lock
     tower = subprocess.run([sys.executable, "-m", "tower_train", "--num_gpus=2",
                             f"--train_dir={tmp_path / 'tower'}", *LAYOUT[:-1]],
                            cwd=ROOT, capture_output=True, text=True, timeout=240)
@@ -151,7 +151,7 @@ def test_two_workers_equal_tower_mode_with_two_towers(tmp_path):
 
 def test_a_worker_whose_peer_never_comes_exits_in_bounded_time(tmp_path):
     start = time.monotonic()
-    (worker,) = start_workers(tmp_path / "alone", 1, ["--collective_timeout=8", "--max_steps=2"])
+    (worker,) = start_workers(tmp_path / "alone", 1, ["--collective_timeout=10", "--max_steps=2"])
     try:
         _, err = worker.communicate(timeout=120)
     finally:
@@ -159,7 +159,7 @@ def test_a_worker_whose_peer_never_comes_exits_in_bounded_time(tmp_path):
     assert worker.returncode != 0
     assert time.monotonic() - start < 60
     last = err.strip().splitlines()[-1]
-    assert last.startswith("tower_train: [worker 0/2] no progress for 8 s (--collective_timeout): peer(s) 127.0.0.1:")
+    assert last.startswith("tower_train: [worker 0/2] no progress for 10 s while waiting on the peers (--collective_timeout): peer(s) 127.0.0.1:")
     assert "not reachable" in last and "Traceback" not in err
 
 
@@ -177,6 +177,8 @@ def test_a_worker_whose_peer_dies_exits_naming_it(tmp_path):
         last = err.strip().splitlines()[-1]
         assert last.startswith("tower_train: [worker 0/2] ") and "not reachable" in last, err[-2000:]
         assert "Traceback" not in err
+        # TensorFlow's multi-line C++ errors about the lost peer are hidden: the last line says it.
+        assert ".cc:" not in err and "unhealthy" not in err, err[-2000:]
         workers[1].wait(timeout=60)
     finally:
         kill_running(workers)

@@ -13,7 +13,7 @@ import pytest
 
 from helpers import read_until
 from test_cli_errors import ROOT, run_cli
-from test_modes import kill_running
+from test_modes import kill_running, start_workers
 from test_resume import start
 
 SMALL = ["--num_gpus=2", "--batch_size=8", "--log_every=1", "--checkpoint_every=1"]
@@ -107,6 +107,22 @@ def test_a_full_disk_is_one_line_removes_the_partial_checkpoint_and_keeps_the_ot
     assert not list(train_dir.glob("*_temp*"))
 
 
+MLP_MODEL = '''
+import keras
+from tower_train.models import TowerModel, register
+
+
+@register("mlp")
+class Mlp(TowerModel):
+    def __init__(self, num_classes, **kwargs):
+        super().__init__(num_classes, **kwargs)
+        self.hidden = keras.layers.Dense(8, activation="relu")
+        self.logits = keras.layers.Dense(num_classes)
+
+    def call(self, features, training=False):
+        return self.logits(self.hidden(features))
+'''
+
 LOUD_MODEL = '''
 import keras
 from tower_train.models import TowerModel, register
@@ -176,3 +192,57 @@ def test_sigint_during_start_up_is_one_line_and_writes_nothing(tmp_path):
     assert stderr.strip().splitlines() == ["tower_train: interrupted by SIGINT outside training; the "
                                            "checkpoints already written are intact"]
     assert list(tmp_path.iterdir()) == []
+
+
+SLOW_EVALUATION = '''
+import time
+
+import numpy as np
+import tensorflow as tf
+
+import tower_train
+
+
+def _wait_when_evaluating(features, seeds, training):
+    if training:
+        return tf.cast(features, tf.float32)
+    waited = tf.py_function(lambda: time.sleep(12) or 0, [], tf.int32)
+    with tf.control_dependencies([waited]):
+        return tf.cast(features, tf.float32)
+
+
+@tower_train.data.register("slow_evaluation")
+def slow_evaluation():
+    rng = np.random.default_rng(0)
+    return tower_train.ArraySource(
+        rng.normal(size=(64, 4)).astype(np.float32), rng.integers(0, 3, 64),
+        eval_features=rng.normal(size=(8, 4)).astype(np.float32), eval_labels=rng.integers(0, 3, 8),
+        preprocess=_wait_when_evaluating, num_classes=3, name="slow_evaluation")
+'''
+
+
+@pytest.mark.cpu_only  # multi_worker without a GPU: one CPU replica per worker
+def test_the_watchdog_does_not_time_a_local_evaluation_longer_than_its_timeout(tmp_path):
+    """12 s of held-out evaluation at the end, --collective_timeout=10: both workers finish."""
+    (tmp_path / "slow_data.py").write_text(SLOW_EVALUATION)
+    (tmp_path / "mlp.py").write_text(MLP_MODEL)
+    workers = start_workers(tmp_path / "mw", 2, [
+        "--data_module=slow_data", "--dataset=slow_evaluation", "--model_module=mlp", "--model=mlp",
+        "--batch_size=8", "--max_steps=2", "--collective_timeout=10"], cwd=tmp_path)
+    try:
+        logs = [w.communicate(timeout=240)[1] for w in workers]
+    finally:
+        kill_running(workers)
+    for worker, log in zip(workers, logs):
+        assert worker.returncode == 0, log[-2000:]
+        assert "done: step 2" in log and "no progress" not in log
+        assert seconds_between(log, "step 2, loss", "done: step 2") >= 12  # the evaluation did wait
+
+
+def seconds_between(log: str, first: str, second: str) -> float:
+    """Seconds between the log lines holding `first` and `second` (absl's time stamps)."""
+    def at(text):
+        line = next(line for line in log.splitlines() if text in line)
+        hours, minutes, seconds = line.split()[1].split(":")
+        return int(hours) * 3600 + int(minutes) * 60 + float(seconds)
+    return at(second) - at(first)

@@ -18,7 +18,6 @@ import contextlib
 import dataclasses
 import os
 import sys
-from typing import Callable
 
 from tower_train import cluster
 from tower_train.config import TrainConfig, check_train_dir
@@ -86,7 +85,7 @@ def check_input_memory(config: TrainConfig, source, towers: int) -> None:
 
 
 def fit(model: object = None, data: object = None, *, num_classes: int | None = None,
-        stop=None, heartbeat: Callable[[], None] | None = None, **options):
+        stop=None, watchdog: cluster.PeerClock | None = None, **options):
     """Trains `model` on `data` until --max_steps updates, resuming from train_dir.
 
     Args:
@@ -98,7 +97,7 @@ def fit(model: object = None, data: object = None, *, num_classes: int | None = 
         is made with this or the source's number of classes.
       stop: a `tower_train.stop_signals.StopSignals` to stop at an update boundary on SIGTERM or
         SIGINT (the CLI passes one); None leaves signals alone.
-      heartbeat: called after every phase that needs the peers (the CLI's multi-worker watchdog).
+      watchdog: told of progress and of local work (the CLI's multi-worker `PeerWatchdog`).
       **options: every training option, by its flag's name (see `TrainConfig`).
 
     Returns:
@@ -125,10 +124,10 @@ def fit(model: object = None, data: object = None, *, num_classes: int | None = 
 
     # The chief writes the checkpoints, so it holds the train_dir for the whole run.
     with TrainDirLock(config.train_dir) if worker.is_chief else contextlib.nullcontext():
-        return _fit(config, worker, model, data, num_classes, stop, heartbeat)
+        return _fit(config, worker, model, data, num_classes, stop, watchdog or cluster.PeerClock())
 
 
-def _fit(config: TrainConfig, worker, model, data, num_classes, stop, heartbeat):
+def _fit(config: TrainConfig, worker, model, data, num_classes, stop, watchdog: cluster.PeerClock):
     """`fit` once the inputs are checked and the train_dir is this run's."""
     plan = prepare_devices(config)
 
@@ -138,16 +137,16 @@ def _fit(config: TrainConfig, worker, model, data, num_classes, stop, heartbeat)
     from tower_train.model_spec import resolve_model
     from tower_train.modes import build_mode
 
+    watchdog.progress()  # the clock starts: a multi-worker strategy's start-up waits on the peers
     mode = build_mode(config, plan, worker)  # first: a multi-worker strategy must precede other ops
-    if heartbeat is not None:
-        heartbeat()
-    source = data if data is not None else data_module.load_source(
-        config.dataset, config.data_dir, config.augment)
-    source.check()
-    check_input_memory(config, source, len(plan.tower_devices))
-    spec = resolve_model(model, config, num_classes, source.num_classes)
+    with watchdog.local_work():
+        source = data if data is not None else data_module.load_source(
+            config.dataset, config.data_dir, config.augment)
+        source.check()
+        check_input_memory(config, source, len(plan.tower_devices))
+        spec = resolve_model(model, config, num_classes, source.num_classes)
     try:
-        return trainer.train(config, spec, source, mode, heartbeat or (lambda: None), stop,
+        return trainer.train(config, spec, source, mode, watchdog, stop,
                              live_progress=sys.stderr.isatty())
     except (tf.errors.UnavailableError, tf.errors.DeadlineExceededError,
             tf.errors.CancelledError, tf.errors.AbortedError) as e:

@@ -126,7 +126,7 @@ def _train(argv: list[str]) -> int:
         from tower_train.api import fit
         from tower_train.stop_signals import StopSignals
 
-        fit(stop=StopSignals(), heartbeat=watchdog.progress if watchdog else None,
+        fit(stop=StopSignals(), watchdog=watchdog,
             **{name: getattr(config, name) for name in tt_flags.TRAINING_FLAGS})
     finally:
         if watchdog is not None:

@@ -29,6 +29,8 @@ SCHEDULES = ("constant", "exponential", "cosine")  # of the learning rate; see t
 SYNC_BN_MODES = ("mirrored", "multi_worker")  # the modes with a replica context to synchronize in
 PRECISIONS = ("fp32", "bf16", "fp16")  # compute dtype of the towers; variables stay float32
 MAX_SEED = 2**32 - 1  # Keras's set_random_seed takes no larger seed
+# Shorter, and a healthy worker's one micro-step, or its peers' start-up skew, can run it out.
+MIN_COLLECTIVE_TIMEOUT = 10.0
 
 
 def option(default, help: str, main: bool = False):  # noqa: A002 (absl's word for it)
@@ -46,9 +48,10 @@ class TrainConfig:
     all_reduce: str = option(
         "auto", "Cross-device reduction of the strategy modes: "
         + "; ".join(f"{m}: {' | '.join(c)}" for m, c in ALL_REDUCE_BY_MODE.items()) + ".")
-    # Seconds a multi_worker collective may wait for a peer before failing.
+    # A peer's start-up takes seconds, and preempted machines take minutes to come back.
     collective_timeout: float = option(
-        120.0, "multi_worker: seconds a collective waits for a peer before the worker fails.")
+        120.0, "multi_worker: seconds a worker waits on its peers without progress before it fails "
+        "(at least 10; local work such as tracing and evaluation is not counted).")
     # Towers; 1 keeps a plain run plain, as the original's default.
     num_gpus: int = option(
         1, "Number of towers N. With fewer GPUs, GPU 0 (or, with none, the CPU) is split into "
@@ -160,8 +163,9 @@ class TrainConfig:
         if self.all_reduce not in ALL_REDUCE_BY_MODE[self.mode]:
             raise UsageError(f"--all_reduce={self.all_reduce}: not for --mode={self.mode}; allowed: "
                              f"{', '.join(ALL_REDUCE_BY_MODE[self.mode])}")
-        if not self.collective_timeout > 0:
-            raise UsageError(f"--collective_timeout={self.collective_timeout}: must be seconds > 0")
+        if not MIN_COLLECTIVE_TIMEOUT <= self.collective_timeout < math.inf:
+            raise UsageError(f"--collective_timeout={self.collective_timeout}: must be seconds >= "
+                             f"{MIN_COLLECTIVE_TIMEOUT:g}")
         if not (self.stop_grace_period > 0 and math.isfinite(self.stop_grace_period)):
             raise UsageError(f"--stop_grace_period={self.stop_grace_period}: must be seconds > 0")
         _one_of("ps_device", self.ps_device, PS_DEVICES)

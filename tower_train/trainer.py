@@ -10,6 +10,7 @@ exits: errors are raised, progress goes to the log and the hooks.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import math
@@ -22,7 +23,7 @@ import tensorflow as tf
 from absl import logging
 
 from tower_train import checkpoints
-from tower_train.cluster import WorkerInfo
+from tower_train.cluster import PeerClock, WorkerInfo
 from tower_train.config import TrainConfig
 from tower_train.data import Source
 from tower_train.errors import Stopped, TrainingError, UsageError
@@ -175,17 +176,19 @@ class Controller:
     overflow, or a non-finite value under --nonfinite) and a stop signal at the update boundary.
     It saves a checkpoint every `checkpoint_every` updates and at the end, and calls every hook
     after each applied update. `any_worker` makes a stop decision collective (multi_worker);
-    `heartbeat` is called after every phase that needs the peers.
+    `watchdog` hears of every micro-step, update and save, and of the first update of the
+    process as local work (it traces the step functions; TF's collective timeout still covers
+    its reduction).
     """
 
     def __init__(self, config: TrainConfig, state: TrainState, inner: InnerStep,
                  batches: Iterator[Batch], writer: checkpoints.CheckpointWriter,
                  hooks: Sequence[Hook], global_batch: int, log: Callable[..., None],
                  stop: StopSignals | None = None, any_worker: Callable[[bool], bool] = bool,
-                 heartbeat: Callable[[], None] = lambda: None):
+                 watchdog: PeerClock = PeerClock()):
         self.config, self.state, self.inner, self.batches = config, state, inner, batches
         self.writer, self.hooks, self.global_batch, self.log = writer, hooks, global_batch, log
-        self.stop, self.any_worker, self.heartbeat = stop, any_worker, heartbeat
+        self.stop, self.any_worker, self.watchdog = stop, any_worker, watchdog
         self.skipped = self.skipped_in_a_row = 0  # updates refused for a non-finite value
         self.empty_in_a_row = 0  # updates refused for a total weight of 0
         self.last_checkpoint: str | None = writer.latest()
@@ -198,17 +201,20 @@ class Controller:
         if step >= self.config.max_steps:
             self.log("step %d already reaches --max_steps=%d: nothing to train", step,
                      self.config.max_steps)
+        tracing = True
         while step < self.config.max_steps:
             start = time.perf_counter()
             try:
-                result = self.inner.run_update(self._noted(_value(self.state.step) + 1, start))
+                with self.watchdog.local_work() if tracing else contextlib.nullcontext():
+                    result = self.inner.run_update(self._noted(_value(self.state.step) + 1, start))
+                tracing = False
             except (tf.errors.InvalidArgumentError, tf.errors.DataLossError) as e:
                 # A malformed record, a label out of range, a shape the model cannot take.
                 raise TrainingError(f"update {_value(self.state.step) + 1} failed: "
                                     f"{checkpoints.first_line(e)}; the last good checkpoint is "
                                     f"{self.last_checkpoint or 'none'}") from None
             seconds = time.perf_counter() - start
-            self.heartbeat()
+            self.watchdog.progress()
             self.state.examples_seen.assign_add(self.global_batch)
             if not result.applied:
                 self._refused(result)
@@ -239,11 +245,12 @@ class Controller:
                 self.log("update %d: micro-step %d of %d (%.0f s so far)", update, taken,
                          self.config.accum, now - start)
                 note_at = now + LONG_UPDATE_NOTE
+            self.watchdog.progress()
             yield next(self.batches)
 
     def _save(self, step: int) -> None:
         self.last_checkpoint = self.writer.save(step)
-        self.heartbeat()
+        self.watchdog.progress()
 
     def _stop_if_asked(self, step: int) -> None:
         signal_number = self.stop.received() if self.stop is not None else None
@@ -303,14 +310,17 @@ class EvaluationHook:
     """Held-out precision every `every` updates (not at the last: training evaluates then)."""
 
     def __init__(self, source: Source, batch_size: int, devices: Sequence[str], every: int,
-                 max_steps: int, summaries: Summaries, log: Callable[..., None]):
+                 max_steps: int, summaries: Summaries, log: Callable[..., None],
+                 watchdog: PeerClock = PeerClock()):
         self.source, self.batch_size, self.devices = source, batch_size, devices
         self.every, self.max_steps, self.summaries, self.log = every, max_steps, summaries, log
+        self.watchdog = watchdog  # an evaluation is local work: no peer wait to time
 
     def after_update(self, event: UpdateEvent) -> None:
         if event.step % self.every or event.step == self.max_steps:
             return
-        precision, count = evaluate(event.state.model, self.source, self.batch_size, self.devices)
+        with self.watchdog.local_work():
+            precision, count = evaluate(event.state.model, self.source, self.batch_size, self.devices)
         if precision is None:
             return
         self.summaries.scalars(event.step, {"eval_precision": precision})
@@ -324,7 +334,7 @@ class EvaluationHook:
 
 
 def train(config: TrainConfig, spec: ModelSpec, source: Source, mode: Mode,
-          heartbeat: Callable[[], None] = lambda: None, stop: StopSignals | None = None,
+          watchdog: PeerClock = PeerClock(), stop: StopSignals | None = None,
           live_progress: bool = False) -> TrainResult:
     """Trains until `config.max_steps` updates, resuming from train_dir if it holds a checkpoint.
 
@@ -342,12 +352,14 @@ def train(config: TrainConfig, spec: ModelSpec, source: Source, mode: Mode,
     record = checkpoints.run_record(spec.name, config.model_module, source.name, config.seed,
                                     config.optimizer, global_batch, config.ema_decay > 0)
     checkpoints.check_same_run(config.train_dir, record)
-    state = build_state(config, spec, source, mode.variable_scope(), worker.count)
+    with watchdog.local_work():  # building and restoring: TF's collective timeout covers their waits
+        state = build_state(config, spec, source, mode.variable_scope(), worker.count)
     log("%s", plan.message)
     checkpoint = state.checkpoint()
     writer = checkpoints.CheckpointWriter(checkpoint, config.train_dir, record, worker.is_chief,
                                           worker.index)
-    latest = checkpoints.restore_latest_readable(checkpoint, config.train_dir, state.finite_check())
+    with watchdog.local_work():
+        latest = checkpoints.restore_latest_readable(checkpoint, config.train_dir, state.finite_check())
     if latest:
         log("resumed from %s at step %d", latest, _value(state.step))
     inner = mode.inner_step(state, config)
@@ -361,9 +373,9 @@ def train(config: TrainConfig, spec: ModelSpec, source: Source, mode: Mode,
                                   live_progress and worker.is_chief)]
     if config.eval_every:
         hooks.append(EvaluationHook(source, config.eval_batch_size, plan.tower_devices,
-                                    config.eval_every, config.max_steps, summaries, log))
+                                    config.eval_every, config.max_steps, summaries, log, watchdog))
     controller = Controller(config, state, inner, batches, writer, hooks, global_batch, log, stop,
-                            mode.any_worker, heartbeat)
+                            mode.any_worker, watchdog)
     if stop is not None:
         stop.listen(config.stop_grace_period, config.train_dir)
     try:
@@ -377,10 +389,11 @@ def train(config: TrainConfig, spec: ModelSpec, source: Source, mode: Mode,
         if stop is not None:
             stop.close()
 
-    precision, count = evaluate(state.model, source, config.eval_batch_size, plan.tower_devices)
-    if config.export_dir and worker.is_chief:
-        log("exporting a SavedModel to %s", config.export_dir)
-        export_saved_model(spec, source, state.model, state.moving_average, config.export_dir)
+    with watchdog.local_work():
+        precision, count = evaluate(state.model, source, config.eval_batch_size, plan.tower_devices)
+        if config.export_dir and worker.is_chief:
+            log("exporting a SavedModel to %s", config.export_dir)
+            export_saved_model(spec, source, state.model, state.moving_average, config.export_dir)
     step = _value(state.step)
     trained = "" if loss is None else f", loss = {loss:.4f}"
     held_out = ("no held-out examples" if precision is None
