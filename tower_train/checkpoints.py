@@ -23,7 +23,7 @@ import tensorflow as tf
 from absl import logging
 
 from tower_train.config import RUN_FILE
-from tower_train.errors import TrainingError, UsageError
+from tower_train.errors import TrainingError, UsageError, first_line
 
 CHECKPOINTS_KEPT = 5  # enough to fall back past a bad one, small enough to ignore
 LOCK_FILE = "lock"  # held by the run that trains in a train_dir
@@ -337,9 +337,3 @@ def write_failure(error: BaseException) -> str:
     in op names and temporary paths)."""
     known = _WRITE_FAILURES.search(str(error))
     return known.group(0) if known else first_line(error)
-
-
-def first_line(error: BaseException, limit: int = 200) -> str:
-    text = str(error).strip()
-    return (text.splitlines()[0] if text else type(error).__name__)[:limit]
-

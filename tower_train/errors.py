@@ -1,4 +1,4 @@
-"""The one error type that reaches the user as a single line, never as a traceback."""
+"""The error types that reach the user as a single line, never as a traceback."""
 
 
 class UsageError(Exception):
@@ -27,3 +27,10 @@ class Stopped(Exception):
     def __init__(self, message: str, signal_number: int):
         super().__init__(message)
         self.exit_status = 128 + signal_number
+
+
+def first_line(error: BaseException, limit: int = 300) -> str:
+    """The first line of an error's message (TensorFlow's `message` when it has one), cut to
+    `limit` characters: what a one-line error quotes."""
+    text = (getattr(error, "message", None) or str(error)).strip()
+    return text.splitlines()[0][:limit] if text else type(error).__name__

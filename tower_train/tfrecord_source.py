@@ -15,7 +15,7 @@ import numpy as np
 import tensorflow as tf
 
 from tower_train.data import _HOST, TRAIN_PREFETCH, DataError, Preprocess, Source, check_stream_arguments
-from tower_train.errors import UsageError
+from tower_train.errors import UsageError, first_line
 from tower_train.user_code import UserCodeError, describe, where
 
 FeatureConfig = Union[tf.io.FixedLenFeature, tf.io.VarLenFeature, tf.io.FixedLenSequenceFeature,
@@ -406,11 +406,6 @@ def _describe_files(files: Sequence[str]) -> str:
     return repr(files[0]) if len(files) == 1 else f"{files[0]!r} and {len(files) - 1} more"
 
 
-def _first_line(error: BaseException) -> str:
-    text = getattr(error, "message", None) or str(error) or type(error).__name__
-    return text.strip().splitlines()[0][:300] if text.strip() else type(error).__name__
-
-
 def _expand(name: str, what: str, patterns: Files) -> list[str]:
     """Patterns -> files: in the patterns' order, each one's matches sorted, duplicates dropped.
 
@@ -427,7 +422,7 @@ def _expand(name: str, what: str, patterns: Files) -> list[str]:
         try:
             matches = [path for path in sorted(tf.io.gfile.glob(pattern)) if not tf.io.gfile.isdir(path)]
         except tf.errors.OpError as e:
-            raise DataError(f"{name}: {what}: cannot list {pattern!r}: {_first_line(e)}") from e
+            raise DataError(f"{name}: {what}: cannot list {pattern!r}: {first_line(e)}") from e
         if not matches:
             raise DataError(f"{name}: {what}: {pattern!r} matches no file")
         for path in matches:
@@ -437,7 +432,7 @@ def _expand(name: str, what: str, patterns: Files) -> list[str]:
                     f.read(1)
             except (tf.errors.OpError, OSError) as e:
                 raise DataError(f"{name}: {what}: cannot read {path!r} (matched by {pattern!r}): "
-                                f"{_first_line(e)}") from e
+                                f"{first_line(e)}") from e
             files.setdefault(path, None)
     return list(files)
 

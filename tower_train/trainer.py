@@ -26,7 +26,7 @@ from tower_train import checkpoints
 from tower_train.cluster import PeerClock, WorkerInfo
 from tower_train.config import TrainConfig
 from tower_train.data import Source
-from tower_train.errors import Stopped, TrainingError, UsageError
+from tower_train.errors import Stopped, TrainingError, UsageError, first_line
 from tower_train.evaluation import evaluate
 from tower_train.export import export_saved_model
 from tower_train.inner_step import Batch, InnerStep, UpdateResult
@@ -211,7 +211,7 @@ class Controller:
             except (tf.errors.InvalidArgumentError, tf.errors.DataLossError) as e:
                 # A malformed record, a label out of range, a shape the model cannot take.
                 raise TrainingError(f"update {_value(self.state.step) + 1} failed: "
-                                    f"{checkpoints.first_line(e)}; the last good checkpoint is "
+                                    f"{first_line(e)}; the last good checkpoint is "
                                     f"{self.last_checkpoint or 'none'}") from None
             seconds = time.perf_counter() - start
             self.watchdog.progress()

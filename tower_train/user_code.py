@@ -13,7 +13,7 @@ import sysconfig
 import traceback
 from typing import Callable, TypeVar
 
-from tower_train.errors import UsageError
+from tower_train.errors import UsageError, first_line
 
 T = TypeVar("T")
 TRACEBACK_VARIABLE = "TOWER_TRAIN_TRACEBACK"
@@ -41,8 +41,7 @@ def where(error: BaseException) -> str:
 
 
 def describe(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0][:300]}" if text else type(error).__name__
+    return f"{type(error).__name__}: {first_line(error)}"
 
 
 def call_user_code(function: Callable[[], T], what: str) -> T:
