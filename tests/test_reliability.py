@@ -246,3 +246,28 @@ def seconds_between(log: str, first: str, second: str) -> float:
         hours, minutes, seconds = line.split()[1].split(":")
         return int(hours) * 3600 + int(minutes) * 60 + float(seconds)
     return at(second) - at(first)
+
+
+def test_a_checkpoint_with_non_finite_values_is_passed_over_on_resume(tmp_path):
+    import numpy as np
+    import tensorflow as tf
+
+    train_dir = tmp_path / "run"
+    first = run_cli(f"--train_dir={train_dir}", "--max_steps=2", *SMALL)
+    assert first.returncode == 0, first.stderr[-2000:]
+    # Rewrite ckpt-2 whole, as a writer that kept a NaN weight would have.
+    prefix = str(train_dir / "ckpt-2")
+    reader = tf.train.load_checkpoint(prefix)
+    names = sorted(reader.get_variable_to_shape_map())
+    values = [reader.get_tensor(name) for name in names]
+    poisoned = next(i for i, n in enumerate(names) if n.startswith("model/") and values[i].dtype == np.float32)
+    values[poisoned] = np.full_like(values[poisoned], np.nan)
+    tf.raw_ops.SaveV2(prefix=prefix, tensor_names=names, shape_and_slices=[""] * len(names),
+                      tensors=[tf.constant(v) for v in values])
+
+    resumed = run_cli(f"--train_dir={train_dir}", "--max_steps=3", *SMALL)
+
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert (f"checkpoint {prefix} holds non-finite values; resuming from the older "
+            f"{train_dir}/ckpt-1") in resumed.stderr
+    assert f"resumed from {train_dir}/ckpt-1 at step 1" in resumed.stderr
