@@ -21,6 +21,7 @@ training flags, --model_module and --data_module among them.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 import os
 import statistics
@@ -41,9 +42,7 @@ from tower_train.stats import jitter
 if TYPE_CHECKING:
     from tower_train.devices import DevicePlan
 
-COMPARE_FLAGS = tt_flags.define_compare_flags()
 TRAIN_DIR = "/tmp/tower_train_compare"  # apart from training runs' /tmp/tower_train
-flags.FLAGS.set_default("train_dir", TRAIN_DIR)
 COMPARABLE_MODES = ("tower", "mirrored", "central_storage")
 REFERENCE = "tower"  # the hand-placed classic pattern the strategies are checked against
 PLOT_NAME = "compare.png"
@@ -198,12 +197,22 @@ def plot(runs: dict[str, ModeRun], rows: list[Row], global_batch: int, path: str
     figure.savefig(path, dpi=100)
 
 
+@functools.cache
+def compare_flags() -> dict[str, flags.FlagHolder]:
+    """The command's own flags, and its own --train_dir default, set when the command runs:
+    importing this module for its functions must change no flag of another command."""
+    holders = tt_flags.define_compare_flags()
+    flags.FLAGS.set_default("train_dir", TRAIN_DIR)
+    return holders
+
+
 def _compare(argv: list[str]) -> int:
-    config = parse_config(argv, __doc__ or "", COMPARE_FLAGS)
-    modes = check_modes(COMPARE_FLAGS["modes"].value)
+    own_flags = compare_flags()
+    config = parse_config(argv, __doc__ or "", own_flags)
+    modes = check_modes(own_flags["modes"].value)
     if config.mode != "tower":  # (TrainConfig already allows only --all_reduce=auto with tower)
         raise UsageError(f"--mode={config.mode}: not read here; list the modes in --modes")
-    warmup = COMPARE_FLAGS["warmup_updates"].value
+    warmup = own_flags["warmup_updates"].value
     if warmup < 1:
         raise UsageError(f"--warmup_updates={warmup}: must be >= 1: the first update traces")
     if config.max_steps <= warmup:
@@ -218,7 +227,7 @@ def _compare(argv: list[str]) -> int:
     rows = summarize(runs, global_batch, warmup)
     write_summaries(runs, config.train_dir, global_batch, warmup)
     print(format_table(rows, global_batch, config.max_steps, warmup))
-    if COMPARE_FLAGS["plot"].value:
+    if own_flags["plot"].value:
         if importlib.util.find_spec("matplotlib") is None:
             logging.info("no plot: matplotlib is not installed (pip install -e .[plot])")
         else:

@@ -28,7 +28,11 @@ from tower_train.cli import command, load_tensorflow, parse_config
 from tower_train.config import TrainConfig
 from tower_train.errors import UsageError
 
-UPDATES = flags.DEFINE_integer("updates", 3, "Updates whose examples are compared (>= 1).")
+
+
+def updates_flag() -> flags.FlagHolder:
+    """--updates, defined when the command runs (the benchmark defines its own --updates)."""
+    return flags.DEFINE_integer("updates", 3, "Updates whose examples are compared (>= 1).")
 
 
 def compare_normalizations(config: TrainConfig, updates: int) -> list[tuple[float, float, float]]:
@@ -38,7 +42,7 @@ def compare_normalizations(config: TrainConfig, updates: int) -> list[tuple[floa
 
     from tower_train import data
     from tower_train.model_spec import build_model, resolve_model
-    from tower_train.towers import labels_per_shard, split_batch, tower_loss_and_gradients
+    from tower_train.towers import combine_gradients, labels_per_shard, split_batch, tower_loss_and_gradients
 
     source = data.load_source(config.dataset, config.data_dir, config.augment)
     source.check()
@@ -55,9 +59,8 @@ def compare_normalizations(config: TrainConfig, updates: int) -> list[tuple[floa
         if any(float(weight) == 0 for _, weight, _ in sums):
             raise UsageError(f"update {len(results) + 1} has a shard whose labels all weigh 0: its "
                              "mean is undefined; use larger shards (--batch_size)")
-        # Shard i's gradient is of sum(w * loss) / c_i: times c_i it is the gradient of its sum.
-        weighted = [tf.add_n([grads[v] * (c / total) for (_, _, grads), c in zip(sums, counts)])
-                    for v in range(len(model.trainable_variables))]
+        weighted = combine_gradients([grads for _, _, grads in sums], counts, total)
+        # Shard i's gradient is of sum(w * loss) / c_i: times c_i / w_i it is of its mean.
         means = [tf.add_n([grads[v] * (c / float(w) / len(shards)) for (_, w, grads), c in zip(sums, counts)])
                  for v in range(len(model.trainable_variables))]
         error = float(tf.linalg.global_norm([m - w for m, w in zip(means, weighted)])
@@ -69,13 +72,14 @@ def compare_normalizations(config: TrainConfig, updates: int) -> list[tuple[floa
 
 
 def _normalization(argv: list[str]) -> int:
+    updates = updates_flag()
     config = parse_config(argv, __doc__ or "", ["updates"])
-    if UPDATES.value < 1:
-        raise UsageError(f"--updates={UPDATES.value}: must be a whole number >= 1")
+    if updates.value < 1:
+        raise UsageError(f"--updates={updates.value}: must be a whole number >= 1")
     load_tensorflow()
     check_data(config, None)
     prepare_devices(config)
-    results = compare_normalizations(config, UPDATES.value)
+    results = compare_normalizations(config, updates.value)
     print(f"{config.model} on {config.dataset}: G = {config.global_batch} examples per update in "
           f"{config.num_towers} x {config.accum} shards of {'/'.join(map(str, config.tower_shard_sizes))}")
     for update, (loss, mean_loss, error) in enumerate(results, start=1):
