@@ -83,10 +83,18 @@ def fresh_directory(train_dir: str) -> str:
 
 
 def write_run_record(train_dir: str, record: dict) -> None:
+    """Writes the record unless there is one, whole or not at all (a full disk leaves no half)."""
     path = os.path.join(train_dir, RUN_FILE)
-    if not os.path.exists(path):
-        with open(path, "w") as f:
+    if os.path.exists(path):
+        return
+    staging = f"{path}.tmp"
+    try:
+        with open(staging, "w") as f:
             json.dump(record, f, indent=1)
+        os.replace(staging, path)
+    finally:
+        if os.path.exists(staging):
+            os.remove(staging)
 
 
 class TrainDirLock:
@@ -184,16 +192,17 @@ class CheckpointWriter:
         removing what the failed write left: the earlier checkpoints stay as they were.
         """
         try:
-            self._manager.save(checkpoint_number=step)
-            if self._is_chief:
+            if self._is_chief:  # first: a checkpoint is never without its record
                 write_run_record(self.train_dir, self._record)
+            self._manager.save(checkpoint_number=step)
         except (tf.errors.OpError, OSError) as e:
             for leftover in glob.glob(os.path.join(glob.escape(self._directory), f"ckpt-{step}_temp*")):
                 shutil.rmtree(leftover, ignore_errors=True)
+            latest = self.latest()
+            kept = f"the last checkpoint, {latest}, is intact" if latest else "no checkpoint was written"
             raise TrainingError(f"cannot write checkpoint ckpt-{step} in --train_dir={self.train_dir} "
-                                f"({write_failure(e)}); its partial files are removed and the last "
-                                f"checkpoint, {self.latest() or 'none'}, is intact; make room and run "
-                                "the same command to resume") from None
+                                f"({write_failure(e)}); its partial files are removed and {kept}; "
+                                "make room and run the same command to resume") from None
         return os.path.join(self.train_dir, f"ckpt-{step}")
 
     def latest(self) -> str | None:
