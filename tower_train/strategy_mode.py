@@ -29,11 +29,11 @@ float16, by the dynamic loss scale the sums were multiplied by).
 """
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Iterator, Mapping, Sequence
 
 import tensorflow as tf
 
-from tower_train.inner_step import Batch, UpdateResult
+from tower_train.inner_step import Batch, BatchSpec, UpdateResult
 from tower_train.towers import labels_per_shard, regularization_gradients, tower_function
 from tower_train.update_rule import TrainingStatistics, UpdateRule
 
@@ -96,6 +96,17 @@ class StrategyStep:
             self.discard(tf.constant(nonfinite > 0 and total_weight > 0))  # an empty update: no overflow
         mean_loss = loss_sum / total_weight if total_weight > 0 else 0.0
         return UpdateResult.of(mean_loss + float(regularization), total_weight, applied)
+
+    def traced_update(self, spec: BatchSpec) -> list[tuple[object, int]]:
+        runs = [(self.accumulate.get_concrete_function(*spec), self._accum - 1)] if self._accum > 1 else []
+        return runs + [(self.finish.get_concrete_function(*spec), 1),
+                       (self.apply.get_concrete_function(tf.TensorSpec([], tf.float32)), 1)]
+
+    def variable_roles(self) -> Mapping[str, Sequence]:
+        model = self._rule.model
+        return {"weights": model.trainable_variables,
+                "gradients": self._grad_sums + [self._loss_sum, self._weight_sum],
+                "statistics": model.non_trainable_variables}
 
     def _per_replica(self, batch: Batch) -> tf.distribute.DistributedValues:
         shards = [tf.split(part, self._local_replicas) for part in batch]
