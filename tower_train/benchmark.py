@@ -548,7 +548,8 @@ _LIVE_RSS = {"MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}
 def floor_config(bench: BenchConfig) -> str:
     """The same configuration at one example per tower: what its updates add to the process
     besides activations (thread pools, weight copies, gradients and their sums, the update)."""
-    return f"{bench.kind}_k{bench.accum}_b1" + ("" if bench.input == "memory" else f"_{bench.input}")
+    return (f"{bench.kind}_k{bench.accum}_b1" + ("_permicro" if bench.weights_per_micro_step else "")
+            + ("" if bench.input == "memory" else f"_{bench.input}"))
 
 
 def measure_memory(benches: list[BenchConfig], argv: list[str]) -> list[dict]:
