@@ -127,6 +127,10 @@ class TowerModel(keras.Model):
         variables = self.trainable_variables
 
         def forward_with(inputs: tf.Tensor, *values: tf.Tensor) -> tf.Tensor:
+            # A scope of its own, so that the weights the block reads are these arguments. Its
+            # statistics come from their variables, not from moves earlier in this pass that
+            # using_weights' scope still holds: only a BN layer called in two blocks of one pass
+            # would notice.
             nonlocal calls
             calls += 1
             with keras.StatelessScope(state_mapping=list(zip(variables, values)),

@@ -121,6 +121,9 @@ def count_traffic(runs: Iterable[tuple[object, int]], roles: Mapping[str, Sequen
         variables); every other variable's reads count as "other".
       argument_device: where the functions' arguments arrive and their results go.
     """
+    unknown = set(roles) - set(ROLES)
+    if unknown:
+        raise ValueError(f"roles {sorted(unknown)}: not among {ROLES}")
     role_of = {id(handle): role for role, variables in roles.items() for v in variables
                for handle in variable_handles(v)}
     totals = [collections.Counter() for _ in dataclasses.fields(Traffic)]
@@ -185,8 +188,11 @@ def _count_function(function, role_of: Mapping[int, str],
         received[to_device] += size
 
     for op in graph.get_operations():
-        if op.type.startswith(("Collective", "Nccl")):
-            data = op.inputs[0]
+        # The tensor a collective reduces or sends is its first data input (after V3's
+        # communicator); broadcast receivers and initializers have none.
+        data = (next((t for t in op.inputs if t.dtype not in _NOT_DATA), None)
+                if op.type.startswith(("Collective", "Nccl")) else None)
+        if data is not None:
             collective[_category(origins[data.ref()], None, False)] += _bytes(data)
             collective_in[device[op.name]] += _bytes(data)
         resources = [t for t in op.inputs if t.dtype == tf.resource]
