@@ -72,7 +72,8 @@ class TrainConfig:
         "per_update", "Tower mode with accum > 1: per_update copies the trainable weights to each "
         "tower once per update (N x P bytes, one more copy of them on each tower); "
         "per_micro_step reads them from the parameter device at every micro-step "
-        "(K x N x P bytes). The update is the same.")
+        "(K x N x P bytes). The update is the same. Default per_update: the weights cannot "
+        "change inside an update, so the other K - 1 reads move nothing new.")
     # None = GPU 0's memory / N.
     gpu_memory_mb: int | None = option(
         None, "Memory of each logical GPU when GPU 0 is split (default: its memory / num_gpus).")
