@@ -72,6 +72,28 @@ def test_tower_mode_moves_the_weights_once_per_update_whatever_k(accum, tower_we
     assert traffic.copied["other"] == 0 and sum(traffic.collective.values()) == 0
 
 
+@models.register("test_traffic_decay")
+class DecayedProbe(TrafficProbe):
+    """The probe with weight decay on its hidden kernel: a regularization that reads weights."""
+
+    def regularization(self) -> tf.Tensor:
+        return 1e-3 * models.l2_loss(self.hidden.kernel)
+
+
+def test_mirrored_moves_no_weights_and_reduces_the_gradients_through_the_host():
+    run = make_run(model="test_traffic_decay", mode="mirrored", num_gpus=TOWERS, accum=2, batch_size=BATCH)
+    traffic = count_traffic(run.inner.traced_update(batch_spec(TOWERS * BATCH)), run.inner.variable_roles(),
+                            "/cpu:0")
+    p = size_in_bytes(run.state.model.trainable_variables)
+    # Every replica holds the weights; the reported regularization is computed beside the first
+    # copy, and only its value is fetched.
+    assert traffic.copied["weights"] == 0 and traffic.copied["other"] > 0
+    # one_device: every replica's gradient sum to the host and the sum back, plus the three
+    # scalars (loss sum, weight sum, non-finite count) of each replica's part of finish's sum.
+    assert traffic.copied["gradients"] == 2 * TOWERS * p + TOWERS * 3 * 4
+    assert sum(traffic.collective.values()) == 0  # no collective op: the reduction is by copies
+
+
 def test_per_update_copies_give_the_same_updates_and_are_not_checkpointed(tmp_path):
     trained, saved = {}, {}
     for tower_weights in ("per_update", "per_micro_step"):
@@ -145,8 +167,8 @@ def test_collectives_count_the_bytes_entering_them_per_replica():
     traffic = count_traffic([(all_reduce.get_concrete_function(), 3)], {"gradients": sums}, "/cpu:1")
     assert traffic.collective["gradients"] == 3 * 2 * 5 * 7 * 4  # traced only: never run
     # Replica 2's reduced gradient, fetched to /cpu:1 as the function's result.
-    assert dict(traffic.copied) == {"weights": 0, "gradients": 3 * 5 * 7 * 4, "statistics": 0, "input": 0,
-                                    "other": 0}
+    assert dict(traffic.copied) == {"weights": 0, "gradients": 0, "statistics": 0, "input": 0,
+                                    "other": 3 * 5 * 7 * 4}
 
 
 def test_tower_weights_is_checked_once_in_the_config():

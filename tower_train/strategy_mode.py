@@ -136,8 +136,11 @@ class StrategyStep:
         scalars = self._strategy.run(self._replica_scalars)
         # Under CentralStorageStrategy the sums are already shared: each replica holds 1/N of them.
         share = tf.constant([self._accumulated_share, self._accumulated_share, 1.0])
-        return (self._strategy.reduce(tf.distribute.ReduceOp.SUM, scalars, axis=None) * share,
-                tf.cast(self._rule.model.regularization(), tf.float32))
+        # Where the first copy of the weights lives: computed on the host instead, the
+        # regularization would bring the weights it reads there (3.8 MB per update for cifar10_cnn).
+        with tf.device(self._strategy.extended.parameter_devices[0]):
+            regularization = tf.cast(self._rule.model.regularization(), tf.float32)
+        return self._strategy.reduce(tf.distribute.ReduceOp.SUM, scalars, axis=None) * share, regularization
 
     def _replica_scalars(self) -> tf.Tensor:
         values = [self._loss_sum.read_value()] + [s.read_value() for s in self._grad_sums]

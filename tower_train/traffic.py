@@ -37,7 +37,8 @@ computed from (`roles` names them):
   every replica;
 - "input": computed from the function's arguments alone on the device they
   arrive on (a tower's shard);
-- "other": anything else (the loss scale, the results fetched to the host).
+- "other": anything else (the loss scale), and the function's results, fetched
+  to `argument_device` (a loss, a weight sum).
 """
 from __future__ import annotations
 
@@ -175,15 +176,18 @@ def _count_function(function, role_of: Mapping[int, str],
 
     copied, collective, sent, received, collective_in = (collections.Counter() for _ in range(5))
     moved: set[tuple[object, str]] = set()
+    results = {t.op.name for t in graph.outputs if t.op.type == "Identity"}
 
-    def count(tensor: tf.Tensor, to_device: str, written_role: str | None) -> None:
+    def count(tensor: tf.Tensor, to_device: str, written_role: str | None, result: bool = False) -> None:
         from_device = device[tensor.op.name]
         if (tensor.dtype in _NOT_DATA or tensor.op.type == "Const"
                 or from_device == to_device or (tensor.ref(), to_device) in moved):
             return
         moved.add((tensor.ref(), to_device))
         size = _bytes(tensor)
-        copied[_category(origins[tensor.ref()], written_role, from_device == argument_device)] += size
+        category = "other" if result else _category(origins[tensor.ref()], written_role,
+                                                    from_device == argument_device)
+        copied[category] += size
         sent[from_device] += size
         received[to_device] += size
 
@@ -198,10 +202,10 @@ def _count_function(function, role_of: Mapping[int, str],
         resources = [t for t in op.inputs if t.dtype == tf.resource]
         written_role = (resource_origin(resources[0])[1] if resources and op.type not in _CALLS
                         and op.type.startswith(_WRITES_PREFIXES) else None)
-        for tensor in op.inputs:
-            count(tensor, device[op.name], written_role)
+        for tensor in op.inputs:  # tf.function returns its results through Identity ops
+            count(tensor, device[op.name], written_role, result=op.name in results)
     for output in graph.outputs:
-        count(output, argument_device, None)
+        count(output, argument_device, None, result=True)
     return copied, collective, sent, received, collective_in
 
 
