@@ -21,7 +21,8 @@ Subclass it like this (see docs/models.md, "Adding a model"):
 """
 from __future__ import annotations
 
-from typing import Callable
+import contextlib
+from typing import Callable, Iterator, Sequence
 
 import keras
 import tensorflow as tf
@@ -62,6 +63,26 @@ class TowerModel(keras.Model):
         self.sync_batch_norm = sync_batch_norm
         self.recompute = recompute
         self._runs_blocks = False  # set by run_block, so the trainer can tell --recompute would do nothing
+        self._weight_values: list[tf.Tensor] | None = None  # set inside using_weights
+
+    @contextlib.contextmanager
+    def using_weights(self, values: Sequence[tf.Tensor]) -> Iterator[None]:
+        """Calls inside run the model with `values` (one tensor per trainable variable, same
+        order) in place of its trainable variables, which they do not read.
+
+        Tower mode uses it to run a tower on its own copy of the weights. The non-trainable
+        variables (BN's moving statistics) stay the real ones: they are read as usual, and
+        what the calls assign to them is written to them on exit, in the order of
+        `non_trainable_variables`, so they move once per call, as outside.
+        """
+        self._weight_values = list(values)
+        try:
+            with keras.StatelessScope(state_mapping=list(zip(self.trainable_variables, values)),
+                                      initialize_variables=False) as scope:
+                yield
+        finally:
+            self._weight_values = None
+        _write_moved(self.non_trainable_variables, scope)
 
     def batch_norm(self, **layer_kwargs) -> keras.layers.BatchNormalization:
         """A BatchNormalization layer; build every BN layer of the model through this.
@@ -86,20 +107,40 @@ class TowerModel(keras.Model):
         if not (self.recompute and training):
             return block(x, training=training)
         calls = 0
+        if self._weight_values is None:
+            def forward(inputs: tf.Tensor) -> tf.Tensor:
+                # tf.recompute_grad calls this twice: the forward pass, then again inside the
+                # gradient. The second call's writes (BN's moving statistics) are dropped, so they
+                # move once, as without recompute; its reads of the weights are real, so the
+                # gradient reaches them.
+                nonlocal calls
+                calls += 1
+                if calls == 1:
+                    return block(inputs, training=True)
+                with keras.StatelessScope(initialize_variables=False):
+                    return block(inputs, training=True)
 
-        def forward(inputs: tf.Tensor) -> tf.Tensor:
-            # tf.recompute_grad calls this twice: the forward pass, then again inside the
-            # gradient. The second call's writes (BN's moving statistics) are dropped, so they
-            # move once, as without recompute; its reads of the weights are real, so the
-            # gradient reaches them.
+            return tf.recompute_grad(forward)(x)
+
+        # Inside using_weights: tf.recompute_grad passes gradients only to its arguments and to
+        # the variables read, so the weight values the block reads must be arguments.
+        variables = self.trainable_variables
+
+        def forward_with(inputs: tf.Tensor, *values: tf.Tensor) -> tf.Tensor:
+            # A scope of its own, so that the weights the block reads are these arguments. Its
+            # statistics come from their variables, not from moves earlier in this pass that
+            # using_weights' scope still holds: only a BN layer called in two blocks of one pass
+            # would notice.
             nonlocal calls
             calls += 1
-            if calls == 1:
-                return block(inputs, training=True)
-            with keras.StatelessScope(initialize_variables=False):
-                return block(inputs, training=True)
+            with keras.StatelessScope(state_mapping=list(zip(variables, values)),
+                                      initialize_variables=False) as scope:
+                outputs = block(inputs, training=True)
+            if calls == 1:  # into using_weights' scope; the recomputation's writes are dropped
+                _write_moved(self.non_trainable_variables, scope)
+            return outputs
 
-        return tf.recompute_grad(forward)(x)
+        return tf.recompute_grad(forward_with)(x, *self._weight_values)
 
     @property
     def runs_blocks(self) -> bool:
@@ -115,6 +156,15 @@ class TowerModel(keras.Model):
     def regularization(self) -> tf.Tensor:
         """A scalar added once per update to the weighted mean loss; none unless overridden."""
         return tf.constant(0.0)
+
+
+def _write_moved(variables: Sequence[keras.Variable], scope: keras.StatelessScope) -> None:
+    """Assigns to each of `variables` the value a call inside `scope` assigned to it, if any
+    (into the enclosing stateless scope when there is one)."""
+    for variable in variables:
+        moved = scope.get_current_value(variable)
+        if moved is not None:
+            variable.assign(moved)
 
 
 def l2_loss(weights: keras.Variable) -> tf.Tensor:

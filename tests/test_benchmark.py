@@ -21,8 +21,15 @@ def benchmark(*args: str) -> subprocess.CompletedProcess:
 
 def k_and_b(name: str) -> tuple[int, int]:
     """K and B of a configuration name, read here: _kK, and _bB or else --batch_size."""
-    match = re.search(r"_k(\d+)(?:_b(\d+))?(?:_data|_tfrecord)?$", name)
+    match = re.search(r"_k(\d+)(?:_b(\d+))?(?:_permicro)?(?:_data|_tfrecord)?$", name)
     return int(match[1]), int(match[2] or BATCH)
+
+
+def megabytes(moved: dict | None, category: str) -> str:
+    """What the report prints for a category: MB along edges and into collectives, '-' for none."""
+    if moved is None:
+        return "-"
+    return f"{(moved['copied'][category] + moved['collective'][category]) / 1e6:.2f}"
 
 
 def test_every_kind_runs_and_the_report_and_json_are_well_formed(tmp_path):
@@ -40,11 +47,16 @@ def test_every_kind_runs_and_the_report_and_json_are_well_formed(tmp_path):
     assert all(r["examples_per_sec"] > 0 and r["sec_per_update"] > 0 for r in written["results"])
     for r in written["results"]:
         k, b = k_and_b(r["config"])
-        row = rows[r["config"]]  # config, G, median, '+/-', jitter, sec/update
+        row = rows[r["config"]]  # config, G, median, '+/-', jitter, sec/update, MB: weights, grads, stats
         assert int(row[1]) == r["global_batch"] == b * TOWERS * k, row  # G = B x towers x K
         assert r["examples_per_sec"] == pytest.approx(r["global_batch"] / r["sec_per_update"], rel=1e-9)
         assert float(row[2]) == pytest.approx(r["examples_per_sec"], abs=0.05 + 1e-9), row
         assert float(row[5]) == pytest.approx(r["sec_per_update"], abs=0.00005 + 1e-12), row
+        moved = r["bytes_per_update"]
+        assert (moved is None) == r["config"].startswith(("plain", "keras_fit")), r  # one device: none
+        assert row[6:9] == [megabytes(moved, c) for c in ("weights", "gradients", "statistics")], row
+        if moved is not None:
+            assert moved["copied"]["gradients"] > 0, r
     # Each comparison is the time per example (sec/update / G) of A over B's.
     by_name = {r["config"]: r for r in written["results"]}
     compared = re.findall(r"^time per example, (\S+) / (\S+): (\S+)", result.stdout, re.M)
@@ -104,6 +116,10 @@ def test_config_names_parse_and_bad_ones_are_refused():
     assert (skewed.tower_split, skewed.batch_size, skewed.input) == ("1,3", 8, "data")
     with pytest.raises(UsageError, match="_sSHARES .* tower kinds only"):
         parse_config_name("mirrored_k2_s1-3", 32)
+    assert parse_config_name("tower_psgpu_k8_b4_permicro_data", 32).weights_per_micro_step
+    assert not parse_config_name("tower_psgpu_k8", 32).weights_per_micro_step
+    with pytest.raises(UsageError, match="_permicro .* tower kinds only"):
+        parse_config_name("mirrored_k2_permicro", 32)
     bench = parse_config_name("central_storage_k1_b256", 32)
     assert (bench.kind, bench.accum, bench.batch_size) == ("central_storage", 1, 256)
     for bad in ("warp_k2", "tower_k1", "plain_k0", "plain_k1_b0", "plain", "mirrored_k2_data_b4"):
@@ -131,6 +147,9 @@ def test_the_default_suites():
         if "TFRecord files vs in memory" in note:
             assert (benches[a].input, benches[b].input) == ("tfrecord", "memory"), (a, b, note)
             assert g[a] == g[b], (a, b, note)
+    traffic_suite = [parse_config_name(n, 32) for n in default_configs("traffic", 32)]
+    assert {b.kind for b in traffic_suite} == {"tower_pscpu", "tower_psgpu", "mirrored", "central_storage"}
+    assert {b.accum for b in traffic_suite} == {1, 8} and any(b.weights_per_micro_step for b in traffic_suite)
     memory_suite = [parse_config_name(n, 32) for n in default_configs("memory", 32)]
     assert {b.batch_size * b.accum for b in memory_suite} == {8 * 32}  # one G, 8 x --batch_size per tower
     # The report compares each row's activations with row 1's: K rises from 1, each K once.
@@ -140,10 +159,14 @@ def test_the_default_suites():
 
 def test_benchmark_refuses_bad_flags_in_one_line():
     for args, line in [
-            (["--configs=warp_k2"], "tower_train: error: --configs: 'warp_k2' is not KIND_kK[_bB][_sA-B...][_data|_tfrecord] "
+            (["--configs=warp_k2"], "tower_train: error: --configs: 'warp_k2' is not "
+                                    "KIND_kK[_bB][_sA-B...][_permicro][_data|_tfrecord] "
                                     "with KIND in plain, tower_pscpu, tower_psgpu, mirrored, "
                                     "central_storage, keras_fit, K >= 1 and B >= 1"),
-            (["--measure=speed"], "tower_train: error: --measure=speed: unknown; allowed: time, memory")]:
+            (["--measure=speed"], "tower_train: error: --measure=speed: unknown; allowed: time, memory, traffic"),
+            (["--measure=traffic", "--link_gbps=fast"],
+             "tower_train: error: --link_gbps=fast: must be numbers > 0 (gigabits per second), comma-separated"),
+            (["--link_gbps=100"], "tower_train: error: --link_gbps: only with --measure=traffic")]:
         result = benchmark(*args)
         assert result.returncode == 2
         assert result.stderr.strip().splitlines() == [line]
@@ -156,6 +179,33 @@ def test_a_slowed_first_tower_is_what_a_skewed_split_makes_up_for():
                        "--rounds=1", "--slow_tower_ms=20", "--configs=tower_pscpu_k2,tower_pscpu_k2_s1-7")
     assert result.returncode == 0, result.stderr[-3000:]
     rows = {line.split()[0]: line.split() for line in result.stdout.splitlines()[1:3]}
-    even, skewed = float(rows["tower_pscpu_k2"][-1]), float(rows["tower_pscpu_k2_s1-7"][-1])
+    even, skewed = float(rows["tower_pscpu_k2"][5]), float(rows["tower_pscpu_k2_s1-7"][5])  # sec/update
     assert even > 2 * 0.080  # two micro-steps of at least 80 ms each
     assert skewed < even - 2 * 0.040  # at least 60 ms less waiting per micro-step, minus noise
+
+
+def test_traffic_counts_bytes_per_update_and_predicts_link_time(tmp_path):
+    out = tmp_path / "traffic.json"
+    names = ["tower_pscpu_k1", "tower_pscpu_k3", "tower_pscpu_k3_permicro", "mirrored_k3", "plain_k1"]
+    result = benchmark(f"--num_gpus={TOWERS}", f"--batch_size={BATCH}", "--measure=traffic",
+                       f"--configs={','.join(names)}", "--link_gbps=8,80", f"--output_json={out}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    results = {r["config"]: r["bytes_per_update"] for r in json.loads(out.read_text())["results"]}
+    assert list(results) == names and results["plain_k1"] is None
+    # cifar10_cnn's trainable weights, P bytes: each tower gets them once per update at any K, or
+    # once per micro-step with _permicro; the strategy's replicas hold their own.
+    p = results["tower_pscpu_k1"]["copied"]["weights"] // TOWERS
+    assert p == 4 * 1_068_298  # 1,068,298 float32 weights ("1.07 M parameters", docs/models.md)
+    assert results["tower_pscpu_k3"]["copied"]["weights"] == TOWERS * p
+    assert results["tower_pscpu_k3_permicro"]["copied"]["weights"] == 3 * TOWERS * p
+    for name in ("tower_pscpu_k1", "tower_pscpu_k3", "tower_pscpu_k3_permicro"):
+        assert results[name]["copied"]["gradients"] == TOWERS * (p + 8), name  # sums once per update
+    rows = {line.split()[0]: line.split() for line in result.stdout.splitlines()[1:1 + len(names)]}
+    assert rows["plain_k1"][2:] == ["one", "device:", "nothing", "crosses"]
+    for name in names[:-1]:
+        moved = results[name]
+        # The parameter device (the host, here also where the batches come from) is the busiest:
+        # it sends the weights and the shards, and receives the gradients.
+        busiest = max(max(moved["sent"].values()), max(moved["received"].values()))
+        for column, gbps in ((-2, 8), (-1, 80)):
+            assert float(rows[name][column]) == pytest.approx(busiest * 8 / (gbps * 1e9) * 1e3, abs=0.005 + 1e-9)

@@ -4,11 +4,17 @@ Run commands:
     python -m tower_train.benchmark --num_gpus=4 --batch_size=32                    # docs/performance.md: speed
     python -m tower_train.benchmark --num_gpus=4 --batch_size=32 --measure=memory   # docs/performance.md: memory
     python -m tower_train.benchmark --configs=plain_k1,tower_pscpu_k1 --rounds=3 --output_json=b.json
+    python -m tower_train.benchmark --num_gpus=4 --batch_size=32 --measure=traffic --link_gbps=256,100  # docs/which-mode.md
 
 Speed, in the style of tf_cnn_benchmarks: warm-up updates (tracing included) are
 not timed; each round times every configuration once, alternating, so that drift
 of the machine cancels; a configuration's figure is the median over rounds of
 examples/sec, +/- jitter = 1.4826 x the median absolute deviation.
+
+Bytes: the time report sets, beside each mode's time, the bytes one update moves
+across devices by category, counted from the traced graphs of its functions
+(`tower_train.traffic`); --measure=traffic prints only those, in more detail, and
+the communication time they predict on links of --link_gbps. Nothing is run.
 
 Memory: each configuration runs in a subprocess of its own, which reports its
 peak resident memory during its updates (and, on GPUs, TensorFlow's peak per
@@ -16,7 +22,7 @@ device), against its resident memory once the model was built. A second
 subprocess runs the same configuration at one example per tower (its floor), so
 that the report can tell activations from what every update costs anyway.
 
-A configuration is named KIND_kK[_bB][_data|_tfrecord]:
+A configuration is named KIND_kK[_bB][_sA-B...][_permicro][_data|_tfrecord]:
 - KIND, what runs one update (see KINDS);
 - K, micro-steps per update;
 - B, examples per tower per micro-step (default --batch_size), so a configuration
@@ -28,7 +34,9 @@ A configuration is named KIND_kK[_bB][_data|_tfrecord]:
   the same preprocessing);
 - _sA-B...: tower kinds only, --tower_split=A,B,...: tower i takes share i of every
   micro-batch. With --slow_tower_ms, tower 0 is made slower than the others, so the
-  suite can show what a skewed split saves on unequal devices.
+  suite can show what a skewed split saves on unequal devices;
+- _permicro: tower kinds only, --tower_weights=per_micro_step: the towers read the
+  weights from the parameter device at every micro-step instead of once per update.
 """
 from __future__ import annotations
 
@@ -54,6 +62,7 @@ from tower_train.stats import jitter
 
 if TYPE_CHECKING:
     from tower_train.devices import DevicePlan
+    from tower_train.traffic import Traffic
 
 
 
@@ -72,9 +81,11 @@ KINDS = {
     "central_storage": "CentralStorageStrategy over the same towers and parameter device",
     "keras_fit": "Keras 3 model.fit on one device, optimizer.gradient_accumulation_steps = K",
 }
-MEASURES = ("time", "memory")
+MEASURES = ("time", "memory", "traffic")
 _NAME = re.compile(r"^(?P<kind>[a-z_]+?)_k(?P<accum>\d+)(?:_b(?P<batch>\d+))?(?:_s(?P<split>\d+(?:-\d+)+))?"
-                   r"(?:_(?P<input>data|tfrecord))?$")
+                   r"(?P<permicro>_permicro)?(?:_(?P<input>data|tfrecord))?$")
+NAME_FORM = "KIND_kK[_bB][_sA-B...][_permicro][_data|_tfrecord]"
+MODE_KINDS = ("tower_pscpu", "tower_psgpu", "mirrored", "central_storage")  # run by a mode's inner step
 INPUTS = ("memory", "data", "tfrecord")  # one fixed batch; the source's pipeline; streamed files
 
 
@@ -88,6 +99,7 @@ class BenchConfig:
     batch_size: int  # B, per tower per micro-step
     input: str  # one of INPUTS
     tower_split: str | None = None  # --tower_split, e.g. "1,3" (tower kinds only)
+    weights_per_micro_step: bool = False  # _permicro: --tower_weights=per_micro_step (tower kinds only)
 
 
 def parse_config_name(name: str, default_batch_size: int) -> BenchConfig:
@@ -95,36 +107,49 @@ def parse_config_name(name: str, default_batch_size: int) -> BenchConfig:
     match = _NAME.match(name)
     if not match or match["kind"] not in KINDS or int(match["accum"]) < 1 or (
             match["batch"] is not None and int(match["batch"]) < 1):
-        raise UsageError(f"--configs: {name!r} is not KIND_kK[_bB][_sA-B...][_data|_tfrecord] with KIND in "
+        raise UsageError(f"--configs: {name!r} is not {NAME_FORM} with KIND in "
                          f"{', '.join(KINDS)}, K >= 1 and B >= 1")
     batch = default_batch_size if match["batch"] is None else int(match["batch"])
     split = match["split"] and match["split"].replace("-", ",")
     if split and not match["kind"].startswith("tower_ps"):
         raise UsageError(f"--configs: {name!r}: _sSHARES (--tower_split) is for the tower kinds only")
-    return BenchConfig(name, match["kind"], int(match["accum"]), batch, match["input"] or "memory", split)
+    if match["permicro"] and not match["kind"].startswith("tower_ps"):
+        raise UsageError(f"--configs: {name!r}: _permicro (--tower_weights=per_micro_step) is for the "
+                         "tower kinds only")
+    return BenchConfig(name, match["kind"], int(match["accum"]), batch, match["input"] or "memory", split,
+                       bool(match["permicro"]))
 
 
 def default_configs(measure: str, batch_size: int) -> list[str]:
     """The suite for `--measure` when --configs is not given.
 
     time: every kind at K = 1 and K = 8 with the same micro-batch; tower mode at K = 1
-    with the G of K = 8 (a micro-batch 8 times larger); tower mode at K = 8 fed by the
-    input pipeline. memory: tower mode at one G = 8 x batch_size x towers, as K = 1, 2, 4, 8.
+    with the G of K = 8 (a micro-batch 8 times larger); tower mode at K = 8 with the weights
+    read at every micro-step; tower mode at K = 8 fed by the input pipeline. memory: tower mode
+    at one G = 8 x batch_size x towers, as K = 1, 2, 4, 8. traffic: every kind that crosses
+    devices at K = 1 and K = 8, and tower mode at K = 8 with the weights read at every
+    micro-step.
     """
     if measure == "memory":
         return [f"tower_pscpu_k{k}_b{batch_size * 8 // k}" for k in (1, 2, 4, 8)]
+    if measure == "traffic":
+        return [f"{kind}_k{k}" for kind in MODE_KINDS for k in (1, 8)] + ["tower_pscpu_k8_permicro"]
     return ([f"{kind}_k{k}" for kind in KINDS for k in (1, 8)]
-            + [f"tower_pscpu_k1_b{batch_size * 8}", "tower_pscpu_k8_data", "tower_pscpu_k8_tfrecord"])
+            + [f"tower_pscpu_k1_b{batch_size * 8}", "tower_pscpu_k8_permicro", "tower_pscpu_k8_data",
+               "tower_pscpu_k8_tfrecord"])
 
 
 @dataclasses.dataclass(frozen=True)
 class Workload:
     """`run(n)` applies n updates and returns the seconds they took; each consumes `global_batch`
-    examples of `labels_per_example` labels (tokens, for a sequence model)."""
+    examples of `labels_per_example` labels (tokens, for a sequence model). `traffic()` counts
+    the bytes one update moves across devices (tracing its functions if they were not); None
+    for the kinds that run on one device."""
 
     run: Callable[[int], float]
     global_batch: int
     labels_per_example: int
+    traffic: Callable[[], Traffic] | None
 
 
 def build_workload(bench: BenchConfig, config: TrainConfig, plan: DevicePlan,
@@ -143,10 +168,12 @@ def build_workload(bench: BenchConfig, config: TrainConfig, plan: DevicePlan,
                                  tower_split=bench.tower_split)
     if bench.kind.startswith("tower_ps"):  # the kind, not --ps_device, says where the variables live
         ps_device = bench.kind.removeprefix("tower_ps")
-        config = dataclasses.replace(config, mode="tower", all_reduce="auto", ps_device=ps_device)
+        tower_weights = "per_micro_step" if bench.weights_per_micro_step else config.tower_weights
+        config = dataclasses.replace(config, mode="tower", all_reduce="auto", ps_device=ps_device,
+                                     tower_weights=tower_weights)
         plan = dataclasses.replace(plan, param_device=parameter_device(ps_device, plan.tower_devices))
     elif bench.kind in ("mirrored", "central_storage"):
-        config = dataclasses.replace(config, mode=bench.kind, all_reduce="auto")
+        config = dataclasses.replace(config, mode=bench.kind, all_reduce="auto", tower_weights="per_update")
     micro = bench.batch_size * len(plan.tower_devices)
     source = data.load_source(config.dataset, config.data_dir, config.augment)
     spec = resolve_model(None, config, None, source.num_classes)
@@ -167,9 +194,19 @@ def build_workload(bench: BenchConfig, config: TrainConfig, plan: DevicePlan,
         dataset = tf.data.Dataset.from_tensors((features, labels, weights)).repeat()
     builder = {"plain": _plain, "keras_fit": _keras_fit}.get(
         bench.kind, functools.partial(_mode, slow_tower_ms=slow_tower_ms))
-    run = builder(config, plan, dataset, lambda scope: build_state(config, spec, source, scope),
-                  source.train_size)
-    return Workload(run, micro * bench.accum, source.label_spec.shape.num_elements())
+    run, inner = builder(config, plan, dataset, lambda scope: build_state(config, spec, source, scope),
+                         source.train_size)
+    batch_spec = tuple(tf.TensorSpec([micro, *s.shape[1:]], s.dtype) for s in dataset.element_spec)
+
+    def traffic() -> Traffic:
+        from tower_train.devices import HOST_DEVICE
+        from tower_train.traffic import count_traffic
+
+        # The batches come from the host (a tf.data pipeline, or a batch held there).
+        return count_traffic(inner.traced_update(batch_spec), inner.variable_roles(), HOST_DEVICE)
+
+    return Workload(run, micro * bench.accum, source.label_spec.shape.num_elements(),
+                    None if inner is None else traffic)
 
 
 @functools.cache
@@ -222,8 +259,8 @@ def slowed_first_tower(state, config: TrainConfig, ms_per_example: float):
         time.sleep(float(seconds))
         return seconds
 
-    def slowed(features, labels, weights):
-        result = tower(features, labels, weights)
+    def slowed(features, labels, weights, weight_copies=None):
+        result = tower(features, labels, weights, weight_copies)
         if "tower_0" not in tf.get_current_name_scope().split("/"):
             return result
         delay = tf.cast(tf.shape(labels)[0], tf.float32) * (ms_per_example / 1000.0)
@@ -234,8 +271,9 @@ def slowed_first_tower(state, config: TrainConfig, ms_per_example: float):
 
 
 def _mode(config: TrainConfig, plan: DevicePlan, dataset, new_state: Callable,
-          train_examples: int | None, slow_tower_ms: float = 0.0) -> Callable[[int], float]:
-    """tower_pscpu, tower_psgpu, mirrored, central_storage: the trainer's own inner step."""
+          train_examples: int | None, slow_tower_ms: float = 0.0) -> tuple[Callable[[int], float], object]:
+    """tower_pscpu, tower_psgpu, mirrored, central_storage: the trainer's own inner step, which
+    is returned too."""
     from tower_train.modes import build_mode
 
     mode = build_mode(config, plan)
@@ -250,11 +288,11 @@ def _mode(config: TrainConfig, plan: DevicePlan, dataset, new_state: Callable,
             inner.run_update(batches)  # its result is read: waits for the update
         return time.perf_counter() - start
 
-    return run
+    return run, inner
 
 
 def _plain(config: TrainConfig, plan: DevicePlan, dataset, new_state: Callable,
-           train_examples: int | None) -> Callable[[int], float]:
+           train_examples: int | None) -> tuple[Callable[[int], float], None]:
     """One GradientTape step on the parameter device over all G examples, with the same
     update-boundary work (regularization, clip, apply, count, average) as the towers'."""
     import tensorflow as tf
@@ -282,11 +320,11 @@ def _plain(config: TrainConfig, plan: DevicePlan, dataset, new_state: Callable,
             float(plain_step(*next(whole_batches)))
         return time.perf_counter() - start
 
-    return run
+    return run, None
 
 
 def _keras_fit(config: TrainConfig, plan: DevicePlan, dataset, new_state: Callable,
-               train_examples: int | None) -> Callable[[int], float]:
+               train_examples: int | None) -> tuple[Callable[[int], float], None]:
     """What a user would pick instead: Keras's own train step and gradient accumulation, on
     the same network, loss, optimizer and schedule, fed the micro-batch of all towers."""
     import keras
@@ -342,7 +380,7 @@ def _keras_fit(config: TrainConfig, plan: DevicePlan, dataset, new_state: Callab
                       callbacks=[clock])
         return clock.seconds
 
-    return run
+    return run, None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -353,6 +391,7 @@ class Measurement:
     jitter: float  # 1.4826 x median absolute deviation of examples/sec over rounds
     sec_per_update: float  # median
     labels_per_example: int  # > 1 for per-token labels: the report adds labels (tokens) per second
+    bytes_per_update: dict | None  # Traffic.as_dict(); None for the kinds that run on one device
 
     @property
     def sec_per_example(self) -> float:
@@ -376,8 +415,9 @@ def run_benchmark(config: TrainConfig, benches: list[BenchConfig], plan: DeviceP
     results = []
     for name, workload in workloads.items():
         rates = [workload.global_batch / s for s in seconds[name]]
+        traffic = workload.traffic and workload.traffic().as_dict()
         results.append(Measurement(name, workload.global_batch, statistics.median(rates), jitter(rates),
-                                   statistics.median(seconds[name]), workload.labels_per_example))
+                                   statistics.median(seconds[name]), workload.labels_per_example, traffic))
     return results
 
 
@@ -392,6 +432,7 @@ def comparisons(names: list[str], batch_size: int) -> list[tuple[str, str, str]]
                   (f"tower_pscpu_k{k}", f"central_storage_k{k}", ""),
                   (f"tower_pscpu_k{k}", f"keras_fit_k{k}", "goal <= 1.0")]
     pairs += [("tower_pscpu_k8", "tower_pscpu_k1", "same micro-batch; goal <= 1.0"),
+              ("tower_pscpu_k8", "tower_pscpu_k8_permicro", "weights once per update vs every micro-step"),
               ("tower_pscpu_k8", f"tower_pscpu_k1_b{batch_size * 8}", "same G, micro-batch 8x smaller"),
               ("tower_pscpu_k8_data", "tower_pscpu_k8", "input pipeline vs in memory; goal <= 1.05"),
               ("tower_pscpu_k8_tfrecord", "tower_pscpu_k8", "streamed TFRecord files vs in memory; goal <= 1.05")]
@@ -399,13 +440,24 @@ def comparisons(names: list[str], batch_size: int) -> list[tuple[str, str, str]]
     return [pair for pair in pairs if pair[0] in present and pair[1] in present]
 
 
+def moved_mb(bytes_per_update: dict | None, category: str) -> str:
+    """MB per update of a category, along edges and into collectives; '-' on one device."""
+    if bytes_per_update is None:
+        return "-"
+    return f"{(bytes_per_update['copied'][category] + bytes_per_update['collective'][category]) / 1e6:.2f}"
+
+
 def format_report(results: list[Measurement], towers: int, batch_size: int) -> str:
     per_token = any(m.labels_per_example > 1 for m in results)
-    lines = [f"{'config':<24} {'G':>6} {'examples/sec':>22} {'sec/update':>11}"
+    lines = [f"{'config':<24} {'G':>6} {'examples/sec':>22} {'sec/update':>11} "
+             f"{'weights MB':>10} {'grads MB':>9} {'stats MB':>9}"
              + (f" {'tokens/sec':>11}" if per_token else "")]
     for m in results:
+        moved = m.bytes_per_update
         lines.append(f"{m.config:<24} {m.global_batch:>6} "
-                     f"{m.examples_per_sec:>12.1f} +/- {m.jitter:<7.1f} {m.sec_per_update:>11.4f}"
+                     f"{m.examples_per_sec:>12.1f} +/- {m.jitter:<7.1f} {m.sec_per_update:>11.4f} "
+                     f"{moved_mb(moved, 'weights'):>10} {moved_mb(moved, 'gradients'):>9} "
+                     f"{moved_mb(moved, 'statistics'):>9}"
                      + (f" {m.labels_per_sec:>11.0f}" if per_token else ""))
     by_name = {m.config: m for m in results}
     for a, b, note in comparisons(list(by_name), batch_size):
@@ -413,6 +465,46 @@ def format_report(results: list[Measurement], towers: int, batch_size: int) -> s
         lines.append(f"time per example, {a} / {b}: {ratio:.3f}" + (f"  ({note})" if note else ""))
     lines.append(f"{towers} tower(s), {batch_size} examples per tower per micro-step unless _bB says"
                  + ("; tokens/sec counts every label position, padding included" if per_token else ""))
+    lines.append("MB: bytes per update across devices (10^6), counted from the traced graphs; "
+                 "'-': one device")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------------
+# Traffic: bytes per update, from the traced graphs; nothing is run.
+
+
+def measure_traffic(config: TrainConfig, benches: list[BenchConfig], plan: DevicePlan) -> list[dict]:
+    """For each configuration: its global batch and `Traffic.as_dict()` (None on one device)."""
+    results = []
+    for bench in benches:
+        workload = build_workload(bench, config, plan)
+        results.append({"config": bench.name, "global_batch": workload.global_batch,
+                        "bytes_per_update": workload.traffic and workload.traffic().as_dict()})
+    return results
+
+
+def format_traffic_report(results: list[dict], link_gbps: list[float]) -> str:
+    """A row per configuration: MB per update by category, what enters collectives, and the
+    predicted communication time per update on each link speed (`Traffic.link_seconds`)."""
+    from tower_train.traffic import CATEGORIES, Traffic
+
+    lines = [f"{'config':<24} {'G':>6} " + " ".join(f"{c:>10}" for c in CATEGORIES) + f" {'collective':>10}"
+             + "".join(f" {f'ms @{g:g}Gb/s':>13}" for g in link_gbps) + "   (MB per update)"]
+    for r in results:
+        moved = r["bytes_per_update"]
+        if moved is None:
+            lines.append(f"{r['config']:<24} {r['global_batch']:>6} one device: nothing crosses")
+            continue
+        traffic = Traffic(**moved)
+        lines.append(f"{r['config']:<24} {r['global_batch']:>6} "
+                     + " ".join(f"{moved['copied'][c] / 1e6:>10.2f}" for c in CATEGORIES)
+                     + f" {sum(moved['collective'].values()) / 1e6:>10.2f}"
+                     + "".join(f" {traffic.link_seconds(g) * 1e3:>13.2f}" for g in link_gbps))
+    lines.append("weights: read from the weights and sent to a tower; gradients: a tower's gradient, loss "
+                 "and weight sums (and, reduced by copies, the sum sent back); statistics: BN's; input: "
+                 "the shards; collective: bytes entering all-reduces. ms: the busiest device's link, "
+                 "full duplex, at that speed (tower_train/traffic.py)")
     return "\n".join(lines)
 
 
@@ -456,7 +548,8 @@ _LIVE_RSS = {"MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}
 def floor_config(bench: BenchConfig) -> str:
     """The same configuration at one example per tower: what its updates add to the process
     besides activations (thread pools, weight copies, gradients and their sums, the update)."""
-    return f"{bench.kind}_k{bench.accum}_b1" + ("" if bench.input == "memory" else f"_{bench.input}")
+    return (f"{bench.kind}_k{bench.accum}_b1" + ("_permicro" if bench.weights_per_micro_step else "")
+            + ("" if bench.input == "memory" else f"_{bench.input}"))
 
 
 def measure_memory(benches: list[BenchConfig], argv: list[str]) -> list[dict]:
@@ -495,6 +588,17 @@ def format_memory_report(results: list[dict]) -> str:
                      f"{r['rss_before_mb']:>11.0f} {r['peak_rss_mb']:>9.0f} "
                      f"{r['peak_rss_mb'] - r['rss_before_mb']:>6.0f} {act:>12.0f} {ratio}{gpu}")
     return "\n".join(lines)
+
+
+def _link_speeds(values: list[str]) -> list[float]:
+    try:
+        speeds = [float(v) for v in values]
+    except ValueError:
+        speeds = []
+    if len(speeds) != len(values) or not all(s > 0 for s in speeds):
+        raise UsageError(f"--link_gbps={','.join(values)}: must be numbers > 0 (gigabits per second), "
+                         "comma-separated")
+    return speeds
 
 
 def _one(names: list[str]) -> str:
@@ -547,14 +651,20 @@ def _benchmark(argv: list[str]) -> int:
         raise UsageError("--warmup_updates must be >= 1: the first update traces")
     if not options["slow_tower_ms"].value >= 0:
         raise UsageError(f"--slow_tower_ms={options['slow_tower_ms'].value}: must be a number >= 0")
-    if options["slow_tower_ms"].value and measure == "memory":
+    if options["slow_tower_ms"].value and measure != "time":
         raise UsageError("--slow_tower_ms: only with --measure=time")
+    link_gbps = _link_speeds(options["link_gbps"].value)
+    if link_gbps and measure != "traffic":
+        raise UsageError("--link_gbps: only with --measure=traffic")
     load_tensorflow()
     check_data(config, None)
     plan = prepare_devices(config, announce=True)
     if measure == "memory":
         results = measure_memory(benches, argv)
         report = format_memory_report(results)
+    elif measure == "traffic":
+        results = measure_traffic(config, benches, plan)
+        report = format_traffic_report(results, link_gbps)
     else:
         measurements = run_benchmark(config, benches, plan, options["updates"].value,
                                      options["warmup_updates"].value, options["rounds"].value,

@@ -43,13 +43,20 @@ def define_benchmark_flags() -> dict[str, flags.FlagHolder]:
     return {
         "configs": flags.DEFINE_list(
             "configs", [],
-            "What to run, as KIND_kK[_bB][_sA-B...][_data|_tfrecord] (see tower_train/benchmark.py); "
+            "What to run, as KIND_kK[_bB][_sA-B...][_permicro][_data|_tfrecord] (see "
+            "tower_train/benchmark.py); "
             "default: the "
             "suite for --measure."),
         "measure": flags.DEFINE_string(
             "measure", "time",
             "time: examples/sec, configurations alternating in this process; memory: peak memory "
-            "of each configuration in a subprocess of its own."),
+            "of each configuration in a subprocess of its own; traffic: bytes per update across "
+            "devices, counted from the traced graphs (nothing is run)."),
+        "link_gbps": flags.DEFINE_list(
+            "link_gbps", [],
+            "With --measure=traffic: link speeds in gigabits per second (e.g. 256 for PCIe 4.0 "
+            "x16, 2400 for NVLink 3, 100 for 100 GbE); the report adds the predicted "
+            "communication time per update on each."),
         "updates": flags.DEFINE_integer("updates", 5, "Timed updates per configuration per round."),
         "warmup_updates": _define_warmup_updates(),
         "rounds": flags.DEFINE_integer(

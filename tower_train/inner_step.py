@@ -3,12 +3,13 @@ and the strategy modes' `StrategyStep` implement, and what one update reports.""
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterator, Protocol
+from typing import Iterator, Mapping, Protocol, Sequence
 
 import tensorflow as tf
 
 # One global micro-batch: (features [M, ...], labels int [M, ...], weights float32, the labels' shape).
 Batch = tuple[tf.Tensor, tf.Tensor, tf.Tensor]
+BatchSpec = tuple[tf.TensorSpec, tf.TensorSpec, tf.TensorSpec]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,3 +41,13 @@ class InnerStep(Protocol):
 
     def run_update(self, batches: Iterator[Batch]) -> UpdateResult:
         """Takes K global micro-batches from `batches` and applies one update, or refuses it."""
+
+    def traced_update(self, spec: BatchSpec) -> list[tuple[object, int]]:
+        """The concrete functions one update runs on global micro-batches of `spec` (traced now
+        if they were not), each with how many times per update: what `tower_train.traffic`
+        counts. A refused update's functions are not among them."""
+
+    def variable_roles(self) -> Mapping[str, Sequence]:
+        """The variables behind the traffic, by role: "weights" (the trainable variables and
+        any copy of them), "gradients" (the accumulators of gradient, loss and weight sums),
+        "statistics" (BN's moving statistics)."""

@@ -78,7 +78,7 @@ class Mode:
     def inner_step(self, state, config: TrainConfig, tower=None):
         """The `InnerStep` whose `run_update(batches)` applies one update of config.accum
         micro-steps: clipped to --clip_norm, each tower's share as --tower_split says, compiled
-        with XLA under --jit_compile. `tower` replaces tower mode's tower function (the
+        with XLA under --jit_compile, tower mode's weights fetched as --tower_weights says. `tower` replaces tower mode's tower function (the
         benchmark's simulated slow device)."""
         rule = state.update_rule(config.clip_norm)
         accum, jit_compile = config.accum, config.jit_compile
@@ -86,7 +86,7 @@ class Mode:
             from tower_train.tower_mode import TowerStep
 
             return TowerStep(rule, self.plan.tower_devices, self.plan.param_device, accum,
-                             config.tower_shard_sizes, jit_compile, tower)
+                             config.tower_shard_sizes, jit_compile, tower, config.tower_weights)
         from tower_train.strategy_mode import StrategyStep
 
         return StrategyStep(self.strategy, rule, accum,

@@ -5,13 +5,22 @@ each a separate tf.function, so that no `tf.cond` decides whether to apply:
 
 - `accumulate` runs every tower on its shard and adds its gradient, its
   weighted loss sum and its weight sum to accumulators on the tower's own
-  device. Nothing crosses devices except the variable reads (the TF analogue
-  of PyTorch DDP's `no_sync`).
+  device. No gradient crosses devices (the TF analogue of PyTorch DDP's
+  `no_sync`).
 - `update` runs the last micro-step, then moves the N accumulated sums to the
   parameter device once, combines them into the gradient of the update's
   weighted mean loss (`towers.combine_gradients`), adds the regularization's
   gradient, applies it, and clears the accumulators. Cross-device gradient
   traffic is therefore paid once per update instead of once per micro-step.
+
+The weights cannot change inside an update, so with `tower_weights="per_update"`
+and K > 1 each tower off the parameter device keeps a copy of the trainable
+weights on its own device, refreshed once at the start of every update
+(`refresh_weights`), and its K micro-steps read that: N x P bytes of weights
+per update instead of K x N x P. BatchNorm's moving statistics are not copied:
+they stay on the parameter device and move tower by tower in program order,
+as with direct reads. At K = 1, or with "per_micro_step", the towers read the
+parameter device directly.
 
 An update whose total weight is 0, or whose loss or gradient holds a
 non-finite value, is not applied at all: no weight, optimizer slot, counter or
@@ -20,11 +29,12 @@ on the parameter device decides.
 """
 from __future__ import annotations
 
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator, Mapping, Sequence
 
 import tensorflow as tf
 
-from tower_train.inner_step import Batch, UpdateResult
+from tower_train.devices import canonical_device
+from tower_train.inner_step import Batch, BatchSpec, UpdateResult
 from tower_train.towers import (TowerResult, combine_gradients, labels_per_shard,
                                 regularization_gradients, run_on_towers, split_batch, tower_function)
 from tower_train.update_rule import TrainingStatistics, UpdateRule
@@ -35,9 +45,10 @@ class TowerStep:
 
     def __init__(self, rule: UpdateRule, tower_devices: Sequence[str], param_device: str, accum: int,
                  shard_sizes: Sequence[int], jit_compile: bool = False,
-                 tower: Callable[..., TowerResult] | None = None):
+                 tower: Callable[..., TowerResult] | None = None, tower_weights: str = "per_update"):
         """`tower`: the tower function, by default `tower_function` of the rule's model; the
-        benchmark passes one that simulates a slower device."""
+        benchmark passes one that simulates a slower device. `tower_weights`: "per_update" or
+        "per_micro_step" (`TrainConfig.tower_weights`)."""
         model = rule.model
         self._tower = tower or tower_function(model, rule.loss_scale, jit_compile)
         self._rule = rule
@@ -60,17 +71,61 @@ class TowerStep:
                         for j, v in enumerate(model.trainable_variables)])
                     self._loss_sums.append(tf.Variable(0.0, trainable=False, name=f"tower_{i}_loss_sum"))
                     self._weight_sums.append(tf.Variable(0.0, trainable=False, name=f"tower_{i}_weight_sum"))
+        # Per tower, on its device: a copy of the trainable weights, or None to read them from the
+        # parameter device. Not state: a TowerStep is not checkpointed, and each update refreshes them.
+        copied = tower_weights == "per_update" and accum > 1
+        self._weight_copies: list[list[tf.Variable] | None] = []
+        for i, device in enumerate(self._devices):
+            if copied and canonical_device(device) != canonical_device(param_device):
+                with tf.device(device):
+                    self._weight_copies.append([
+                        tf.Variable(tf.zeros(v.shape, v.dtype), trainable=False, name=f"tower_{i}_weights_{j}")
+                        for j, v in enumerate(model.trainable_variables)])
+            else:
+                self._weight_copies.append(None)
+        self.refresh_weights = tf.function(self._refresh_weights)
         self.accumulate = tf.function(self._accumulate)
         self.update = tf.function(self._update)
 
+    @property
+    def copies_weights(self) -> bool:
+        """Whether some tower reads its own copy of the weights (refreshed once per update)."""
+        return any(copies is not None for copies in self._weight_copies)
+
     def run_update(self, batches: Iterator[Batch]) -> UpdateResult:
         """Takes K global micro-batches from `batches` and applies one update."""
+        if self.copies_weights:
+            self.refresh_weights()
         for _ in range(self._accum - 1):
             self.accumulate(*next(batches))
         return UpdateResult.of(*self.update(*next(batches)))
 
+    def traced_update(self, spec: BatchSpec) -> list[tuple[object, int]]:
+        runs = [(self.refresh_weights.get_concrete_function(), 1)] if self.copies_weights else []
+        if self._accum > 1:
+            runs.append((self.accumulate.get_concrete_function(*spec), self._accum - 1))
+        return runs + [(self.update.get_concrete_function(*spec), 1)]
+
+    def variable_roles(self) -> Mapping[str, Sequence]:
+        model = self._rule.model
+        copies = [c for tower in self._weight_copies if tower is not None for c in tower]
+        sums = [v for tower in self._grad_sums for v in tower] + self._loss_sums + self._weight_sums
+        return {"weights": model.trainable_variables + copies, "gradients": sums,
+                "statistics": model.non_trainable_variables}
+
+    def _refresh_weights(self) -> None:
+        """Copies the current trainable weights to every tower that keeps a copy: the only
+        weight traffic of the update."""
+        for device, copies in zip(self._devices, self._weight_copies, strict=True):
+            if copies is not None:
+                with tf.device(device):
+                    for copy, variable in zip(copies, self._rule.model.trainable_variables, strict=True):
+                        copy.assign(variable)
+
     def _towers(self, batch: Batch) -> list:
-        return run_on_towers(self._tower, self._devices, split_batch(batch, self._shard_sizes))
+        shards = split_batch(batch, self._shard_sizes)
+        return run_on_towers(self._tower, self._devices,
+                             [(*shard, copies) for shard, copies in zip(shards, self._weight_copies, strict=True)])
 
     def _accumulate(self, features: tf.Tensor, labels: tf.Tensor, weights: tf.Tensor) -> None:
         """A micro-step that does not update: a global micro-batch [N*b, ...] -> nothing."""

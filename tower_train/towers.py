@@ -23,6 +23,7 @@ shards, c / W = 1 / (N x K): the mean of the tower gradients.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, Sequence, TypeVar
 
 import tensorflow as tf
@@ -36,7 +37,7 @@ TowerResult = tuple[tf.Tensor, tf.Tensor, list[tf.Tensor]]
 
 def tower_loss_and_gradients(
     model: TowerModel, features: tf.Tensor, labels: tf.Tensor, weights: tf.Tensor,
-    loss_scale: tf.Tensor | None = None,
+    loss_scale: tf.Tensor | None = None, weight_copies: Sequence[tf.Variable] | None = None,
 ) -> TowerResult:
     """One tower's forward and backward pass.
 
@@ -46,20 +47,31 @@ def tower_loss_and_gradients(
       labels: int [b, ...] (the label shape of the data).
       weights: float32, the labels' shape.
       loss_scale: float32 scalar S (float16 training) or None (S = 1).
+      weight_copies: None to read `model.trainable_variables`; or one variable per trainable
+        variable holding its current value, which the pass reads instead (tower mode's copy
+        of the weights on the tower's device). BN's moving statistics move the same either way.
 
     Returns:
       (weighted_loss_sum, weight_sum, gradients): the float32 scalars sum(w * loss) and
       sum(w) over the shard, and the gradient of S x sum(w * loss) / c, c = the number of
       labels in the shard, for each of `model.trainable_variables` (same order and shapes).
     """
+    if weight_copies is None:
+        sources, reading = model.trainable_variables, contextlib.nullcontext()
+    else:
+        sources = [tf.convert_to_tensor(copy) for copy in weight_copies]
+        reading = model.using_weights(sources)
     with tf.GradientTape() as tape:
-        logits = model(features, training=True)
-        losses = tf.cast(model.per_example_loss(labels, logits), tf.float32)
+        if weight_copies is not None:
+            tape.watch(sources)
+        with reading:
+            logits = model(features, training=True)
+            losses = tf.cast(model.per_example_loss(labels, logits), tf.float32)
         weighted_loss_sum = tf.reduce_sum(losses * weights)
         objective = weighted_loss_sum / tf.cast(tf.size(weights), tf.float32)
         if loss_scale is not None:
             objective = objective * loss_scale
-    gradients = tape.gradient(objective, model.trainable_variables)
+    gradients = tape.gradient(objective, sources)
     return weighted_loss_sum, tf.reduce_sum(weights), dense(gradients, model.trainable_variables)
 
 
@@ -72,15 +84,16 @@ def dense(gradients: Sequence[tf.Tensor | tf.IndexedSlices | None], variables) -
 
 def tower_function(
     model: TowerModel, loss_scale: LossScale | None = None, jit_compile: bool = False
-) -> Callable[[tf.Tensor, tf.Tensor, tf.Tensor], TowerResult]:
-    """`tower_loss_and_gradients` of `model` as a function of (features, labels, weights),
-    reading the current loss scale at every call; with `jit_compile`, compiled by XLA for the
-    device it is called on (which must hold the model's variables: XLA cannot read another
-    device's)."""
-    def tower(features: tf.Tensor, labels: tf.Tensor, weights: tf.Tensor) -> TowerResult:
+) -> Callable[..., TowerResult]:
+    """`tower_loss_and_gradients` of `model` as a function of (features, labels, weights[,
+    weight_copies]), reading the current loss scale at every call; with `jit_compile`, compiled
+    by XLA for the device it is called on (which must hold the model's variables: XLA cannot
+    read another device's)."""
+    def tower(features: tf.Tensor, labels: tf.Tensor, weights: tf.Tensor,
+              weight_copies: Sequence[tf.Variable] | None = None) -> TowerResult:
         return tower_loss_and_gradients(
             model, features, labels, weights,
-            None if loss_scale is None else loss_scale.value.read_value())
+            None if loss_scale is None else loss_scale.value.read_value(), weight_copies)
 
     return tf.function(tower, jit_compile=True) if jit_compile else tower
 
