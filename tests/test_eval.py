@@ -17,6 +17,7 @@ import tensorflow as tf
 
 import tower_train.models as models
 from tower_train import data, image_data
+from tower_train.checkpoints import TrainDirLock
 from tower_train.errors import UsageError
 from tower_train.evaluation import correct_counter, evaluate, shard_bounds, use_moving_average
 from tower_train.schedules import MovingAverage
@@ -217,14 +218,16 @@ def runs(workspace):
                      env={"PYTHONPATH": os.pathsep.join([ROOT, str(workspace)]),
                           "PYTHONDONTWRITEBYTECODE": "1"})
     assert result.returncode == 0, result.stderr
-    before = snapshot(train_dir)
-    started["ema"] = start_eval(*EVAL, f"--train_dir={train_dir}", cwd=workspace), None, None
-    started["trained"] = start_eval(*EVAL, f"--checkpoint={train_dir / 'ckpt-2'}", "--nouse_ema",
-                                    cwd=workspace), None, None
-    started.update({name: start_bad(name, args, workspace, train_dir)
-                    for name, needs_run, args, _ in BAD if needs_run})
-    results = {name: (finish(p), tmp, files) for name, (p, tmp, files) in started.items()}
-    assert snapshot(train_dir) == before  # evaluating, even refused, writes nothing there
+    # As if a run were training there: evaluation takes no lock, so the train_dir's lock is no bar.
+    with TrainDirLock(str(train_dir)):
+        before = snapshot(train_dir)
+        started["ema"] = start_eval(*EVAL, f"--train_dir={train_dir}", cwd=workspace), None, None
+        started["trained"] = start_eval(*EVAL, f"--checkpoint={train_dir / 'ckpt-2'}", "--nouse_ema",
+                                        cwd=workspace), None, None
+        started.update({name: start_bad(name, args, workspace, train_dir)
+                        for name, needs_run, args, _ in BAD if needs_run})
+        results = {name: (finish(p), tmp, files) for name, (p, tmp, files) in started.items()}
+        assert snapshot(train_dir) == before  # evaluating, even refused, writes nothing there
     return train_dir, results
 
 

@@ -56,18 +56,6 @@ def test_a_second_run_in_a_train_dir_is_refused_naming_the_holder_until_it_dies(
     TrainDirLock(str(train_dir)).release()  # free again
 
 
-def test_eval_reads_a_train_dir_while_a_run_holds_it(tmp_path):
-    train_dir = tmp_path / "run"
-    trained = run_cli(f"--train_dir={train_dir}", "--max_steps=1", *SMALL)
-    assert trained.returncode == 0, trained.stderr[-2000:]
-    from tower_train.checkpoints import TrainDirLock
-    with TrainDirLock(str(train_dir)):
-        evaluated = subprocess.run([sys.executable, "-m", "tower_train.eval", f"--train_dir={train_dir}",
-                                    "--num_gpus=2"], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert evaluated.returncode == 0, evaluated.stderr[-2000:]
-    assert "precision @ 1" in evaluated.stderr + evaluated.stdout
-
-
 @pytest.fixture
 def small_disk(tmp_path):
     """A real tmpfs of 32 MB (a checkpoint of the default model is 17 MB)."""
