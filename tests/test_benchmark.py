@@ -209,3 +209,20 @@ def test_traffic_counts_bytes_per_update_and_predicts_link_time(tmp_path):
         busiest = max(max(moved["sent"].values()), max(moved["received"].values()))
         for column, gbps in ((-2, 8), (-1, 80)):
             assert float(rows[name][column]) == pytest.approx(busiest * 8 / (gbps * 1e9) * 1e3, abs=0.005 + 1e-9)
+
+
+def test_ops_profiles_each_configuration_and_finds_the_input_pipeline(tmp_path):
+    out = tmp_path / "ops.json"
+    result = benchmark(*TINY, "--measure=ops", "--configs=tower_pscpu_k1,tower_pscpu_k1_data",
+                       f"--output_json={out}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    results = {r["config"]: r["op_us_per_example"] for r in json.loads(out.read_text())["results"]}
+    assert list(results) == ["tower_pscpu_k1", "tower_pscpu_k1_data"]
+    for ops in results.values():
+        assert ops and all(v >= 0 for v in ops.values())
+        assert any("Conv2D" in op_type for op_type in ops)  # cifar10_cnn's convolutions ran
+    # Only the pipeline's configuration runs tf.data's ops.
+    assert results["tower_pscpu_k1_data"].get("Dataset", 0) > 0
+    assert results["tower_pscpu_k1"].get("Dataset", 0) < results["tower_pscpu_k1_data"]["Dataset"]
+    rows = [line.split() for line in result.stdout.splitlines()[1:3]]
+    assert [row[0] for row in rows] == list(results)

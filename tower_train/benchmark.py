@@ -81,7 +81,7 @@ KINDS = {
     "central_storage": "CentralStorageStrategy over the same towers and parameter device",
     "keras_fit": "Keras 3 model.fit on one device, optimizer.gradient_accumulation_steps = K",
 }
-MEASURES = ("time", "memory", "traffic")
+MEASURES = ("time", "memory", "traffic", "ops")
 _NAME = re.compile(r"^(?P<kind>[a-z_]+?)_k(?P<accum>\d+)(?:_b(?P<batch>\d+))?(?:_s(?P<split>\d+(?:-\d+)+))?"
                    r"(?P<permicro>_permicro)?(?:_(?P<input>data|tfrecord))?$")
 NAME_FORM = "KIND_kK[_bB][_sA-B...][_permicro][_data|_tfrecord]"
@@ -509,6 +509,64 @@ def format_traffic_report(results: list[dict], link_gbps: list[float]) -> str:
 
 
 # --------------------------------------------------------------------------------------------------
+# Ops: where an update's time goes, from TensorFlow's profiler.
+
+
+def measure_ops(config: TrainConfig, benches: list[BenchConfig], plan: DevicePlan, updates: int,
+                warmup_updates: int) -> list[dict]:
+    """For each configuration: its wall time per example over `updates` updates, then the op
+    time per example by op type over `updates` profiled updates (TensorFlow's
+    framework_op_stats: every op's self time on every device, the input pipeline's "Dataset"
+    included, "IDLE" the devices' waits)."""
+    import glob
+    import tempfile
+
+    import tensorflow as tf
+    # The profiler's own converter: TensorBoard's profile plugin reads the same tables.
+    from tensorflow.python.profiler.internal import _pywrap_profiler_plugin
+
+    results = []
+    for bench in benches:
+        workload = build_workload(bench, config, plan)
+        workload.run(warmup_updates)
+        seconds = workload.run(updates)
+        with tempfile.TemporaryDirectory() as logdir:
+            tf.profiler.experimental.start(logdir)
+            workload.run(updates)
+            tf.profiler.experimental.stop()
+            planes = glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True)
+            table, _ = _pywrap_profiler_plugin.xspace_to_tools_data(planes, "framework_op_stats", {})
+        table = json.loads(table)
+        table = table[0] if isinstance(table, list) else table
+        columns = [column["id"] for column in table["cols"]]
+        kind, self_time = columns.index("type"), columns.index("total_self_time")
+        micros: dict[str, float] = {}
+        for row in table["rows"]:
+            op_type = row["c"][kind]["v"]
+            micros[op_type] = micros.get(op_type, 0.0) + float(row["c"][self_time]["v"])
+        examples = workload.global_batch * updates
+        results.append({"config": bench.name, "wall_us_per_example": seconds * 1e6 / examples,
+                        "op_us_per_example": {k: v / examples for k, v in micros.items()}})
+    return results
+
+
+def format_ops_report(results: list[dict]) -> str:
+    """A row per configuration: wall time and busy op time per example, the input pipeline's
+    part of it, and the op types that take most."""
+    lines = [f"{'config':<24} {'wall us/ex':>10} {'ops us/ex':>10} {'input':>6}  top op types (us/example)"]
+    for r in results:
+        ops = r["op_us_per_example"]
+        busy = sum(v for k, v in ops.items() if k != "IDLE")
+        top = sorted(((v, k) for k, v in ops.items() if k != "IDLE"), reverse=True)[:6]
+        lines.append(f"{r['config']:<24} {r['wall_us_per_example']:>10.1f} {busy:>10.1f} "
+                     f"{ops.get('Dataset', 0.0) / busy:>6.1%}  " + ", ".join(f"{k} {v:.0f}" for v, k in top))
+    lines.append("ops us/ex: the self time of every op on every device (IDLE excluded), per example; "
+                 "ops running at once on shared cores each count their whole duration. input: the "
+                 "tf.data pipeline's share of it (op type Dataset)")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------------
 # Memory: one subprocess per configuration.
 
 
@@ -665,6 +723,10 @@ def _benchmark(argv: list[str]) -> int:
     elif measure == "traffic":
         results = measure_traffic(config, benches, plan)
         report = format_traffic_report(results, link_gbps)
+    elif measure == "ops":
+        results = measure_ops(config, benches, plan, options["updates"].value,
+                              options["warmup_updates"].value)
+        report = format_ops_report(results)
     else:
         measurements = run_benchmark(config, benches, plan, options["updates"].value,
                                      options["warmup_updates"].value, options["rounds"].value,

@@ -51,7 +51,8 @@ def define_benchmark_flags() -> dict[str, flags.FlagHolder]:
             "measure", "time",
             "time: examples/sec, configurations alternating in this process; memory: peak memory "
             "of each configuration in a subprocess of its own; traffic: bytes per update across "
-            "devices, counted from the traced graphs (nothing is run)."),
+            "devices, counted from the traced graphs (nothing is run); ops: TensorFlow's profile of "
+            "--updates updates, op time per example by op type."),
         "link_gbps": flags.DEFINE_list(
             "link_gbps", [],
             "With --measure=traffic: link speeds in gigabits per second (e.g. 256 for PCIe 4.0 "
