@@ -163,7 +163,7 @@ def test_benchmark_refuses_bad_flags_in_one_line():
                                     "KIND_kK[_bB][_sA-B...][_permicro][_data|_tfrecord] "
                                     "with KIND in plain, tower_pscpu, tower_psgpu, mirrored, "
                                     "central_storage, keras_fit, K >= 1 and B >= 1"),
-            (["--measure=speed"], "tower_train: error: --measure=speed: unknown; allowed: time, memory, traffic"),
+            (["--measure=speed"], "tower_train: error: --measure=speed: unknown; allowed: time, memory, traffic, ops"),
             (["--measure=traffic", "--link_gbps=fast"],
              "tower_train: error: --link_gbps=fast: must be numbers > 0 (gigabits per second), comma-separated"),
             (["--link_gbps=100"], "tower_train: error: --link_gbps: only with --measure=traffic")]:

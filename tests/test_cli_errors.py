@@ -86,6 +86,7 @@ CASES = [
     (["--nonfinite=ignore"], "allowed: stop, skip"),
     (["--num_gpus=1", "--tower_split=2,2"], "--tower_split=2,2: 2 shares for 1 tower(s)"),
     (["--flagfile={missing}"], "{missing}"),
+    (["--deterministic", "--jit_compile"], "--deterministic with --jit_compile: XLA has no deterministic"),
 ]
 TWO_WORKERS = '{"cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:2"]}, "task": {"type": "worker", "index": %s}}'
 # (flags, TF_CONFIG, text the error must contain)

@@ -192,6 +192,9 @@ class TrainConfig:
             raise UsageError(f"--clip_norm={self.clip_norm}: must be a number > 0 (or unset: no clipping)")
         if not 0.0 <= self.ema_decay < 1.0:
             raise UsageError(f"--ema_decay={self.ema_decay}: must be in [0, 1); 0 keeps no average")
+        if self.deterministic and self.jit_compile:
+            raise UsageError("--deterministic with --jit_compile: XLA has no deterministic form of "
+                             "some gradients (MaxPool's); use one or the other")
         if self.sync_bn and self.mode not in SYNC_BN_MODES:
             raise UsageError(f"--sync_bn: only with --mode={' or '.join(SYNC_BN_MODES)}, not "
                              f"--mode={self.mode} (tower mode normalizes each tower's own shard)")

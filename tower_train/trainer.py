@@ -344,10 +344,31 @@ def train(config: TrainConfig, spec: ModelSpec, source: Source, mode: Mode,
     of the current update and raises Stopped. `live_progress` draws a live progress line
     (a terminal) instead of log lines.
     """
+    with _op_determinism(config.deterministic):
+        return _train(config, spec, source, mode, watchdog, stop, live_progress)
+
+
+@contextlib.contextmanager
+def _op_determinism(wanted: bool) -> Iterator[None]:
+    """TensorFlow's op determinism, on for the run when `wanted`, and as before afterwards: it is
+    global to the process, and a script's next run may want it off (XLA has no deterministic
+    MaxPool gradient, for one)."""
+    from tensorflow.python.framework import config as tf_config  # the public API cannot turn it off
+
+    turned_on = wanted and not tf_config.is_op_determinism_enabled()
+    if turned_on:
+        tf_config.enable_op_determinism()
+    try:
+        yield
+    finally:
+        if turned_on:
+            tf_config.disable_op_determinism()
+
+
+def _train(config: TrainConfig, spec: ModelSpec, source: Source, mode: Mode, watchdog: PeerClock,
+           stop: StopSignals | None, live_progress: bool) -> TrainResult:
     worker, plan = mode.worker, mode.plan
     log = _worker_logger(worker)
-    if config.deterministic:
-        tf.config.experimental.enable_op_determinism()
     global_batch = config.global_batch * worker.count
     record = checkpoints.run_record(spec.name, config.model_module, source.name, config.seed,
                                     config.optimizer, global_batch, config.ema_decay > 0)
