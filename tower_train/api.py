@@ -77,10 +77,13 @@ def check_input_memory(config: TrainConfig, source, towers: int) -> None:
     from tower_train import data as data_module
 
     available = data_module.available_memory_bytes()
+    if available is None:
+        return
+    per_example = data_module.input_bytes_per_example(source)
     data_module.check_batch_memory(
-        source, config.batch_size * towers, data_module.TRAIN_BATCHES_HELD,
+        per_example, config.batch_size * towers, data_module.TRAIN_BATCHES_HELD,
         f"--batch_size={config.batch_size} x {towers} tower(s)", available)
-    data_module.check_batch_memory(source, config.eval_batch_size, 2,
+    data_module.check_batch_memory(per_example, config.eval_batch_size, 2,
                                    f"--eval_batch_size={config.eval_batch_size}", available)
 
 

@@ -147,15 +147,17 @@ def available_memory_bytes() -> int | None:
     return None
 
 
-def check_batch_memory(source: Source, examples: int, copies: int, what: str,
-                       available: int | None) -> None:
-    """Refuses a batch whose inputs alone, `copies` of them held at once, exceed `available` bytes
-    of memory: better one line now than minutes of swapping before an out-of-memory kill.
-    `what` names the flags that set `examples`."""
-    if available is None:
-        return
+def input_bytes_per_example(source: Source) -> int:
+    """The bytes of one example's features as the model takes them (after preprocessing)."""
     example = source.example_input()
-    per_example = example.shape[1:].num_elements() * example.dtype.size
+    return example.shape[1:].num_elements() * example.dtype.size
+
+
+def check_batch_memory(per_example: int, examples: int, copies: int, what: str,
+                       available: int) -> None:
+    """Refuses a batch whose inputs alone, `examples` of `per_example` bytes and `copies` of the
+    batch held at once, exceed `available` bytes of memory: better one line now than minutes of
+    swapping before an out-of-memory kill. `what` names the flags that set `examples`."""
     needed = examples * per_example * copies
     if needed > available:
         raise UsageError(f"{what}: {examples:,} examples of {per_example:,} bytes as the model takes "

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import itertools
 import math
 import signal
@@ -64,8 +65,10 @@ class TrainState:
         return UpdateRule(self.model, self.optimizer, self.step, clip_norm, self.moving_average,
                           self.loss_scale)
 
-    def finite_check(self) -> Callable[[], bool]:
-        """A function saying whether every float value the checkpoint would hold is finite.
+    @functools.cached_property
+    def all_finite(self) -> Callable[[], bool]:
+        """A function saying whether every float value the checkpoint would hold is finite, built
+        and traced once for the state (the restore and every update call it).
 
         An update with a finite loss and gradient can still leave inf or NaN behind (a huge
         learning rate, an optimizer's moments overflowing); this is what keeps such weights out
@@ -192,7 +195,6 @@ class Controller:
         self.skipped = self.skipped_in_a_row = 0  # updates refused for a non-finite value
         self.empty_in_a_row = 0  # updates refused for a total weight of 0
         self.last_checkpoint: str | None = writer.latest()
-        self.state_is_finite = state.finite_check()
 
     def run(self) -> float | None:
         """Trains to max_steps; returns the loss of the last applied update (None if none was)."""
@@ -222,7 +224,7 @@ class Controller:
                 continue
             self.skipped_in_a_row = self.empty_in_a_row = 0
             step, loss = _value(self.state.step), result.loss
-            if not self.state_is_finite():
+            if not self.state.all_finite():
                 raise TrainingError(
                     f"update {step} had a finite loss ({loss:.4g}) and gradient but left non-finite "
                     "values in the weights or the optimizer's state (a learning rate too large, or "
@@ -375,12 +377,11 @@ def _train(config: TrainConfig, spec: ModelSpec, source: Source, mode: Mode, wat
     checkpoints.check_same_run(config.train_dir, record)
     with watchdog.local_work():  # building and restoring: TF's collective timeout covers their waits
         state = build_state(config, spec, source, mode.variable_scope(), worker.count)
-    log("%s", plan.message)
-    checkpoint = state.checkpoint()
-    writer = checkpoints.CheckpointWriter(checkpoint, config.train_dir, record, worker.is_chief,
-                                          worker.index)
-    with watchdog.local_work():
-        latest = checkpoints.restore_latest_readable(checkpoint, config.train_dir, state.finite_check())
+        log("%s", plan.message)
+        checkpoint = state.checkpoint()
+        writer = checkpoints.CheckpointWriter(checkpoint, config.train_dir, record, worker.is_chief,
+                                              worker.index)
+        latest = checkpoints.restore_latest_readable(checkpoint, config.train_dir, state.all_finite)
     if latest:
         log("resumed from %s at step %d", latest, _value(state.step))
     inner = mode.inner_step(state, config)
