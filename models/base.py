@@ -45,8 +45,10 @@ class TowerModel(keras.Model):
 
     so the regularization counts once per update, whatever the number of
     towers and micro-steps (see tower_train/towers.py). Keras weight regularizers
-    (a layer's kernel_regularizer) count with it (`update_regularization`); other
-    losses added through Keras (`add_loss`, activity regularizers) are refused.
+    (a layer's kernel_regularizer) count with it (`update_regularization`). Losses
+    a call adds through Keras (`add_loss`, activity regularizers: `batch_losses`)
+    are taken as means over the call's examples, and an update adds their mean
+    over all its examples, as Keras's fit on the one big batch would.
 
     `call` runs its blocks (a stage, a residual block: a few layers each)
     through `self.run_block(block, x, training)`, because that is where
@@ -65,6 +67,9 @@ class TowerModel(keras.Model):
         self.sync_batch_norm = sync_batch_norm
         self.recompute = recompute
         self._runs_blocks = False  # set by run_block, so the trainer can tell --recompute would do nothing
+        # Whether a training call adds losses of the batch (`batch_losses`): set by the trainer
+        # once it has traced one (tower_train/model_spec.py), so the modes know before they trace.
+        self.adds_batch_losses = False
         self._weight_values: list[tf.Tensor] | None = None  # set inside using(weights=...)
 
     @property
@@ -97,7 +102,9 @@ class TowerModel(keras.Model):
         seeded = [] if seeds is None else list(zip(self.seed_states, seeds, strict=True))
         self._weight_values = None if weights is None else list(weights)
         try:
-            with keras.StatelessScope(state_mapping=replaced + seeded, initialize_variables=False) as scope:
+            # collect_losses: else Keras drops what add_loss adds inside the scope.
+            with keras.StatelessScope(state_mapping=replaced + seeded, initialize_variables=False,
+                                      collect_losses=True) as scope:
                 yield
         finally:
             self._weight_values = None
@@ -186,6 +193,18 @@ class TowerModel(keras.Model):
                      for variable in self.trainable_weights
                      if getattr(variable, "regularizer", None) is not None]
         return tf.add_n([tf.cast(self.regularization(), tf.float32), *penalties])
+
+    def batch_losses(self) -> list[tf.Tensor]:
+        """The scalar losses the last call added through Keras (`add_loss`, a layer's
+        activity_regularizer, in this model or a nested layer), read in that call's scope; not the
+        weight regularizers' penalties (`update_regularization`). Each is taken as a mean over the
+        call's examples, as Keras divides an activity regularizer by the batch size."""
+        losses = self.losses  # the call's losses, then one penalty per weight regularizer
+        return losses[:len(losses) - self.weight_regularizers()]
+
+    def batch_loss(self) -> tf.Tensor:
+        """The sum of `batch_losses()`, float32 (0 without any)."""
+        return tf.add_n([tf.constant(0.0)] + [tf.cast(loss, tf.float32) for loss in self.batch_losses()])
 
     def weight_regularizers(self) -> int:
         """How many of the trainable variables carry a Keras weight regularizer."""

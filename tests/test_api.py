@@ -75,15 +75,12 @@ class BranchBuiltInTraining(FiveLogits):
         return super().call(features) + (self.extra(features) if training else 0.0)
 
 
-class ActivityRegularized(FiveLogits):
-    def __init__(self, num_classes: int = 5, **kwargs):
-        super().__init__(num_classes, **kwargs)
-        self.logits = keras.layers.Dense(num_classes, activity_regularizer="l2")
-
-
-class AddsLossInTraining(FiveLogits):
+class AddsLossInRecomputedBlock(FiveLogits):
     def call(self, features, training=False):
-        logits = super().call(features)
+        return self.run_block(self._block, features, training)
+
+    def _block(self, features, training=False):
+        logits = self.logits(features)
         if training:
             self.add_loss(tf.reduce_mean(logits ** 2))
         return logits
@@ -136,11 +133,9 @@ CASES = [
     (dict(model=BranchBuiltInTraining, data=arrays(classes=5)),
      "model=test_api.BranchBuiltInTraining: makes variables in training that its first call "
      "(training=False) did not make (kernel)"),
-    (dict(model=ActivityRegularized, data=arrays(classes=5)),
-     "model=test_api.ActivityRegularized: adds 1 loss(es) of the batch through Keras (add_loss, "
-     "activity_regularizer), which tower-train does not count"),
-    (dict(model=AddsLossInTraining, data=arrays(classes=5), mode="mirrored"),
-     "model=test_api.AddsLossInTraining: adds 1 loss(es) of the batch through Keras"),
+    (dict(model=AddsLossInRecomputedBlock, data=arrays(classes=5), recompute=True),
+     "--recompute: model=test_api.AddsLossInRecomputedBlock adds losses of the batch through Keras "
+     "(add_loss, activity_regularizer), which a recomputed block would drop"),
 ]
 
 

@@ -131,11 +131,12 @@ def test_each_shard_runs_on_its_own_tower():
 
 
 class Regularized(models.TowerModel):
-    """Linear logits over 12 classes, with a regularization."""
+    """Linear logits over 12 classes, with a regularization (and an `activity` regularizer on them,
+    which Keras divides by the batch size)."""
 
-    def __init__(self, num_classes=12, **kwargs):
+    def __init__(self, num_classes=12, activity=None, **kwargs):
         super().__init__(num_classes, **kwargs)
-        self.dense = keras.layers.Dense(num_classes)
+        self.dense = keras.layers.Dense(num_classes, activity_regularizer=activity)
 
     def call(self, features, training=False):
         return self.dense(features)
@@ -185,6 +186,28 @@ def test_held_out_loss_and_top_5_equal_numpy_over_the_whole_set_with_three_tower
     # The weights count: unweighted means differ.
     assert abs(weighted(above < 5) - np.mean(above < 5)) > 0.01
     assert abs(weighted(cross_entropy) - np.mean(cross_entropy)) > 0.01
+
+
+def test_the_held_out_loss_adds_the_calls_keras_losses_as_their_mean_over_every_example():
+    """Batches of 8, 8 and 1 over 3 towers: a mean of the shards' or batches' means would differ."""
+    rng = np.random.default_rng(5)
+    x, y = rng.normal(size=(17, 5)).astype(np.float32), rng.integers(0, 12, 17)
+    w = rng.uniform(0.5, 2.0, 17).astype(np.float32)
+    source = tower_train.ArraySource(x[:1], y[:1], eval_features=x, eval_labels=y, eval_weights=w,
+                                     num_classes=12)
+    with tf.device("/cpu:0"):
+        model = Regularized(activity=keras.regularizers.L2(0.3))
+        model(x[:1])
+    model.dense.kernel.assign(rng.normal(size=(5, 12)))
+    got = evaluate(model, source, 8, TOWERS)
+
+    kernel, bias = (v.numpy().astype(np.float64) for v in (model.dense.kernel, model.dense.bias))
+    logits = x.astype(np.float64) @ kernel + bias
+    shifted = logits - logits.max(1, keepdims=True)
+    cross_entropy = np.log(np.exp(shifted).sum(1)) - shifted[np.arange(17), y]
+    activity = 0.3 * np.mean(np.sum(logits ** 2, axis=1))
+    assert got.loss == pytest.approx(np.sum(w * cross_entropy) / np.sum(w) + 0.01 * np.sum(kernel ** 2) / 2
+                                     + activity, rel=1e-6)
 
 
 def test_check_metrics_makes_no_metric_so_fit_can_still_split_the_devices(tmp_path):

@@ -1,5 +1,6 @@
 """What `model_spec` makes of a model beyond its shapes: Keras weight regularizers count once per
-update, as Keras's own loss on the one big batch counts them, in every layout."""
+update, and the losses a call adds through Keras (activity regularizers, add_loss) as their mean over
+the update's examples, as Keras's own loss on the one big batch counts them, in every layout."""
 import keras
 import numpy as np
 import pytest
@@ -7,7 +8,7 @@ import tensorflow as tf
 
 import tower_train
 from helpers import make_run, synthetic_batches, weights
-from test_weighted import CLASSES, G, LR, series_source
+from test_weighted import CLASSES, G, LR, Tagger, series_source, token_source
 
 LAYOUTS = [("tower", (12, 2, 2), None), ("tower", (8, 2, 3), "3,1"), ("mirrored", (12, 2, 2), None)]
 
@@ -57,3 +58,55 @@ def test_keras_weight_regularizers_count_once_per_update_as_on_one_big_batch(mod
     # Large enough that leaving them out (as before) would fail the comparisons above.
     assert expected_loss - without_loss > 1.0
     assert np.abs(expected[0] - without[0]).max() > 1e-2 and np.abs(expected[1] - without[1]).max() > 1e-2
+
+
+class ActivityTagger(Tagger):
+    """The token tagger with losses of the batch, large so that they show: an activity regularizer
+    (Keras divides it by the batch size), and in training an add_loss of a mean over the batch."""
+
+    def __init__(self, num_classes: int = 7, **kwargs):
+        super().__init__(num_classes, **kwargs)
+        self.hidden = keras.layers.Dense(8, activation="tanh", activity_regularizer=keras.regularizers.L2(0.5))
+
+    def call(self, tokens, training=False):
+        x = self.hidden(self.embed(tokens))
+        if training:
+            self.add_loss(0.7 * tf.reduce_mean(tf.reduce_sum(x, axis=[1, 2]) ** 2))
+        return self.logits(x + tf.reduce_mean(x, axis=1, keepdims=True))
+
+
+def big_batch_step_with_batch_losses(model, source, batch_losses=True):
+    """Plain SGD on the first G examples on one device: sum(w * loss) / sum(w) over their tokens,
+    the regularization, and the call's Keras losses taken on all G at once."""
+    x, y, w = (tf.constant(a[:G]) for a in (source.train_features, source.train_labels, source.train_weights))
+    with tf.device("/cpu:0"), tf.GradientTape() as tape:
+        losses = model.per_example_loss(y, model(x, training=True))
+        assert len(model.losses) == 2  # the activity regularizer's and add_loss's
+        loss = tf.reduce_sum(losses * w) / tf.reduce_sum(w) + model.regularization()
+        loss += tf.add_n(model.losses) if batch_losses else 0.0
+    grads = tape.gradient(loss, model.trainable_variables)
+    return float(loss), [v.numpy() - LR * tf.convert_to_tensor(g).numpy() for v, g in zip(model.trainable_variables, grads)]
+
+
+BATCH_LOSS_LAYOUTS = [("tower", (24, 2, 1), None), ("tower", (6, 4, 2), None), ("tower", (8, 2, 3), "3,1"),
+                      ("mirrored", (12, 2, 2), None)]
+
+
+@pytest.mark.parametrize("mode,layout,split", BATCH_LOSS_LAYOUTS,
+                         ids=[f"{m}-{b}x{n}x{k}-{s}" for m, (b, n, k), s in BATCH_LOSS_LAYOUTS])
+def test_losses_a_call_adds_count_as_their_mean_over_the_updates_examples(mode, layout, split):
+    """Per-token weights make W differ from the examples' count, and the split makes towers'
+    shards unequal: a mean of per-shard means, or dividing by W, would show."""
+    batch, towers, accum = layout
+    source = token_source()
+    run = make_run(model=ActivityTagger, source=source, mode=mode, num_gpus=towers, accum=accum,
+                   batch_size=batch, tower_split=split, optimizer="sgd", learning_rate=LR, ema_decay=0.0)
+    assert run.state.model.adds_batch_losses
+    expected_loss, expected = big_batch_step_with_batch_losses(run.state.model, source)
+    without_loss, without = big_batch_step_with_batch_losses(run.state.model, source, batch_losses=False)
+    result = run.inner.run_update(synthetic_batches(run, source))
+    assert result.applied and result.loss == pytest.approx(expected_loss, rel=1e-5)
+    for got, want in zip(weights(run.state.model), expected, strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    assert expected_loss - without_loss > 0.1
+    assert max(np.abs(e - w).max() for e, w in zip(expected, without)) > 1e-2

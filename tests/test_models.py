@@ -231,8 +231,8 @@ def test_tiny_transformer_is_causal_and_recompute_keeps_its_gradients():
             with tf.name_scope("tower_0"):
                 return tower_loss_and_gradients(model, features, labels, label_weights)
 
-        loss_sum, weight_sum, grads = tower()
-        results[recompute] = float(loss_sum), float(weight_sum), [g.numpy() for g in grads]
+        result = tower()
+        results[recompute] = float(result.loss_sum), float(result.weight_sum), [g.numpy() for g in result.gradients]
     assert results[True][:2] == pytest.approx(results[False][:2], rel=1e-6)
     assert results[False][1] == float(label_weights.numpy().sum())  # real tokens only
     for got, want in zip(results[True][2], results[False][2], strict=True):

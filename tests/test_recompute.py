@@ -46,8 +46,9 @@ def test_gradients_and_moving_statistics_are_those_without_recompute(name):
 
         graph = tower.get_concrete_function().graph
         convolutions[recompute] = sum(op.type == "Conv2D" for op in graph.get_operations())
-        loss, _, grads = tower()
-        results[recompute] = (float(loss), values(grads), values(model.non_trainable_variables))
+        result = tower()
+        results[recompute] = (float(result.loss_sum), values(result.gradients),
+                              values(model.non_trainable_variables))
     # The blocks really are computed twice: every convolution is in one block.
     assert convolutions[True] == 2 * convolutions[False]
     (loss, grads, stats), (loss_rc, grads_rc, stats_rc) = results[False], results[True]

@@ -329,7 +329,7 @@ def slowed_first_tower(state, config: TrainConfig, ms_per_example: float):
             return result
         delay = tf.cast(tf.shape(labels)[0], tf.float32) * (ms_per_example / 1000.0)
         with tf.control_dependencies([tf.py_function(wait, [delay], tf.float32)]):
-            return tf.nest.map_structure(tf.identity, result)
+            return tf.nest.map_structure(lambda t: t if t is None else tf.identity(t), result)
 
     return slowed
 
@@ -371,12 +371,16 @@ def _plain(config: TrainConfig, plan: DevicePlan, dataset, new_state: Callable,
     @tf.function(jit_compile=config.jit_compile)
     def plain_step(features: tf.Tensor, labels: tf.Tensor, weights: tf.Tensor) -> tf.Tensor:
         with tf.device(plan.param_device):
-            loss_sum, weight_sum, grads = tower_loss_and_gradients(state.model, features, labels, weights)
+            result = tower_loss_and_gradients(state.model, features, labels, weights)
             regularization, regularization_grads = regularization_gradients(state.model)
-            # The tower's gradient is of sum(w * loss) / (labels): rescaled to / sum(w).
-            scale = tf.cast(tf.size(weights), tf.float32) / weight_sum
-            rule.apply(rule.clip([g * scale + r for g, r in zip(grads, regularization_grads)]))
-            return loss_sum / weight_sum + regularization
+            # The tower's gradient is of sum(w * loss) / (labels): rescaled to / sum(w). One shard
+            # of all G examples: the batch losses count as they are.
+            scale = tf.cast(tf.size(weights), tf.float32) / result.weight_sum
+            grads = [g * scale + r for g, r in zip(result.gradients, regularization_grads)]
+            if result.batch_gradients is not None:
+                grads = [g + b for g, b in zip(grads, result.batch_gradients)]
+            rule.apply(rule.clip(grads))
+            return result.loss_sum / result.weight_sum + regularization + result.batch_loss
 
     def run(updates: int) -> float:
         start = time.perf_counter()

@@ -7,8 +7,9 @@ weights. For one label per example and no weights that is the fraction of
 examples classified right; for a sequence model, the fraction of (real, weight
 1) tokens. The held-out loss is the weighted mean of the model's per-label loss,
 sum(w * per_example_loss) / sum(w), plus the model's regularization once
-(`update_regularization`: regularization() and the Keras weight regularizers), as
-Keras's val_loss counts a model's weight penalties. `metrics=[...]` (of `fit` and
+(`update_regularization`: regularization() and the Keras weight regularizers), plus
+the mean over the held-out examples of the losses a call adds through Keras
+(`add_loss`, activity regularizers), as Keras's val_loss counts both. `metrics=[...]` (of `fit` and
 `evaluate_checkpoint`) adds Keras metrics. All of them count every held-out example exactly once, whatever the eval
 batch size and the number of towers N:
 
@@ -48,7 +49,8 @@ class Evaluation:
 
     examples: int  # held-out examples counted
     precision: float | None  # weighted precision @ 1
-    loss: float | None  # weighted mean per-label loss plus the regularization once
+    # The weighted mean per-label loss, the regularization once, the batch losses' mean.
+    loss: float | None
     metrics: dict[str, float]  # each Keras metric's name -> its result
 
     def describe(self) -> str:
@@ -150,8 +152,9 @@ def shard_bounds(batch: int, num_shards: int) -> list[tuple[int, int]]:
 
 
 def shard_pass(model, devices: Sequence[str], keep_outputs: bool = False) -> Callable:
-    """A compiled (features, labels, weights) -> float64 [3]: the weight of the correct top-1
-    predictions, the weight of all labels and the sum of weight x per-label loss; with
+    """A compiled (features, labels, weights) -> float64 [4]: the weight of the correct top-1
+    predictions, the weight of all labels, the sum of weight x per-label loss and the sum over
+    examples of the losses the call added through Keras (each a mean over its shard); with
     `keep_outputs`, also each shard's outputs (float32; an empty shard's is [0]).
 
     features [b, ...] as the model takes them, labels int [b, ...], weights float32 of the
@@ -179,7 +182,7 @@ def shard_pass(model, devices: Sequence[str], keep_outputs: bool = False) -> Cal
                 shard_sums, shard_outputs = tf.cond(
                     end > start,
                     lambda shard=shard, d=device: _run_on(model, *shard, d),
-                    lambda: (tf.zeros([3], tf.float64), tf.zeros([0], tf.float32)))
+                    lambda: (tf.zeros([4], tf.float64), tf.zeros([0], tf.float32)))
             sums.append(shard_sums)
             outputs.append(shard_outputs)
         return (tf.add_n(sums), tuple(outputs)) if keep_outputs else tf.add_n(sums)
@@ -195,7 +198,9 @@ def _run_on(model, features: tf.Tensor, labels: tf.Tensor, weights: tf.Tensor,
         losses = tf.cast(model.per_example_loss(labels, outputs), tf.float64)
         weights = tf.cast(weights, tf.float64)
         correct = tf.reduce_sum(tf.where(tf.equal(predictions, labels), weights, tf.zeros_like(weights)))
-        sums = tf.stack([correct, tf.reduce_sum(weights), tf.reduce_sum(weights * losses)])
+        # Each a mean over the shard's examples: times their number, a sum over them.
+        batch_losses = tf.cast(model.batch_loss(), tf.float64) * tf.cast(tf.shape(labels)[0], tf.float64)
+        sums = tf.stack([correct, tf.reduce_sum(weights), tf.reduce_sum(weights * losses), batch_losses])
         return sums, tf.cast(outputs, tf.float32)
 
 
@@ -211,7 +216,7 @@ def evaluate(model, source: Source, batch_size: int, devices: Sequence[str],
     run_shards = shard_pass(model, devices, keep_outputs=bool(metrics))
     for metric in metrics:
         metric.reset_state()
-    totals = np.zeros(3)  # float64: correct weight, weight, weighted loss
+    totals = np.zeros(4)  # float64: correct weight, weight, weighted loss, batch losses
     examples = 0
     try:
         for features, labels, weights in source.eval_batches(batch_size):
@@ -231,11 +236,12 @@ def evaluate(model, source: Source, batch_size: int, devices: Sequence[str],
     except RUN_OP_ERRORS as e:
         raise TrainingError(f"held-out evaluation failed after {examples} examples: "
                             f"{source.describe_error(e)}") from None
-    correct, weight, weighted_loss = totals
+    correct, weight, weighted_loss, batch_losses = totals
     if weight <= 0:
         return Evaluation(examples, None, None, {})
     regularization = float(model.update_regularization())
-    return Evaluation(examples, float(correct / weight), float(weighted_loss / weight + regularization),
+    loss = weighted_loss / weight + regularization + batch_losses / examples
+    return Evaluation(examples, float(correct / weight), float(loss),
                       {metric.name: float(metric.result()) for metric in metrics})
 
 

@@ -238,7 +238,7 @@ def build_model(spec: ModelSpec, source: Source, config: TrainConfig,
     if tf.convert_to_tensor(regularization).shape.rank != 0:
         raise UsageError(f"{what}: regularization() returned shape "
                          f"{tf.convert_to_tensor(regularization).shape.as_list()}; it must be a scalar")
-    _refuse_keras_losses(what, _keras_losses_of_the_batch(model))
+    model.adds_batch_losses = bool(model.batch_losses())
     if config.recompute and not model.runs_blocks:
         raise UsageError(f"--recompute: {what} runs no block through self.run_block, "
                          "so there is nothing to recompute (see docs/models.md)")
@@ -251,6 +251,10 @@ def build_model(spec: ModelSpec, source: Source, config: TrainConfig,
                          "cannot update from its replicas; use --mode=tower or mirrored")
     if training:
         check_training_pass(what, model, example, labels)
+    if config.recompute and model.adds_batch_losses:
+        raise UsageError(f"--recompute: {what} adds losses of the batch through Keras (add_loss, "
+                         "activity_regularizer), which a recomputed block would drop; train it "
+                         "without --recompute")
     return model
 
 
@@ -264,30 +268,16 @@ def check_logits(label: str, logits: tf.Tensor, source: Source) -> None:
                          f"0..{source.num_classes - 1} of {source.name}; they must be {wanted}")
 
 
-def _refuse_keras_losses(what: str, added: int) -> None:
-    """Losses that a call adds through Keras (`add_loss`, activity regularizers) depend on the
-    batch, which the update rule does not weigh them by, so they would be silently left out of
-    training. (Keras's `losses` also holds the weight regularizers' penalties, which count.)"""
-    if added:
-        raise UsageError(f"{what}: adds {added} loss(es) of the batch through Keras (add_loss, "
-                         "activity_regularizer), which tower-train does not count; return them "
-                         "from per_example_loss, or weight penalties from regularization() "
-                         "(see docs/models.md)")
-
-
-def _keras_losses_of_the_batch(model: TowerModel) -> int:
-    """How many losses the model's last call added through Keras."""
-    return len(model.losses) - model.weight_regularizers()
-
-
 def check_training_pass(what: str, model: TowerModel, example: tf.Tensor, labels: tf.Tensor) -> None:
     """Traces (never runs) the model's training pass on one example, as the towers will, in the
     current strategy's replica context: an error that only tracing or `training=True` raises is
     one line naming the user's file:line, a variable made only in training is refused, and the
-    trainable variables that get no gradient are named (refused when none gets one).
+    trainable variables that get no gradient are named (refused when none gets one). Sets
+    `model.adds_batch_losses` when the pass adds losses of the batch through Keras (some models
+    add them only with training=True).
     """
     untrained: list[str] = []
-    keras_losses: list[int] = []
+    batch_losses: list[int] = []
 
     def training_pass(features: tf.Tensor, labels: tf.Tensor) -> None:
         # Under a name scope, as the towers are, the gradient included (--recompute calls the
@@ -297,8 +287,8 @@ def check_training_pass(what: str, model: TowerModel, example: tf.Tensor, labels
             with tf.GradientTape() as tape:
                 logits = model(features, training=True)
                 loss = (tf.reduce_sum(tf.cast(model.per_example_loss(labels, logits), tf.float32))
-                        + model.update_regularization())
-            keras_losses.append(_keras_losses_of_the_batch(model))
+                        + model.update_regularization() + model.batch_loss())
+            batch_losses.append(len(model.batch_losses()))
             gradients = tape.gradient(loss, model.trainable_variables)
         untrained[:] = [v.path for v, g in zip(model.trainable_variables, gradients) if g is None]
 
@@ -323,7 +313,7 @@ def check_training_pass(what: str, model: TowerModel, example: tf.Tensor, labels
         raise UsageError(f"{what}: makes variables in training that its first call "
                          f"(training=False) did not make ({', '.join(created)}); make every layer's "
                          "variables in __init__ or in that call") from None
-    _refuse_keras_losses(what, max(keras_losses))  # some are added only with training=True
+    model.adds_batch_losses = model.adds_batch_losses or max(batch_losses) > 0
     variables = model.trainable_variables
     if len(untrained) == len(variables):
         raise UsageError(f"{what}: none of its {len(variables)} trainable variables gets a gradient "

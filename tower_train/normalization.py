@@ -55,18 +55,19 @@ def compare_normalizations(config: TrainConfig, updates: int) -> list[tuple[floa
         shards = [shard for _ in range(config.accum) for shard in split_batch(next(batches), sizes)]
         sums = [tower_loss_and_gradients(model, *shard) for shard in shards]
         counts = [labels_per_shard(shard[1].shape, [shard[1].shape[0]])[0] for shard in shards]
-        total = sum(float(weight) for _, weight, _ in sums)
-        if any(float(weight) == 0 for _, weight, _ in sums):
+        total = sum(float(result.weight_sum) for result in sums)
+        if any(float(result.weight_sum) == 0 for result in sums):
             raise UsageError(f"update {len(results) + 1} has a shard whose labels all weigh 0: its "
                              "mean is undefined; use larger shards (--batch_size)")
-        weighted = combine_gradients([grads for _, _, grads in sums], counts, total)
+        weighted = combine_gradients([result.gradients for result in sums], counts, total)
         # Shard i's gradient is of sum(w * loss) / c_i: times c_i / w_i it is of its mean.
-        means = [tf.add_n([grads[v] * (c / float(w) / len(shards)) for (_, w, grads), c in zip(sums, counts)])
+        means = [tf.add_n([result.gradients[v] * (c / float(result.weight_sum) / len(shards))
+                           for result, c in zip(sums, counts)])
                  for v in range(len(model.trainable_variables))]
         error = float(tf.linalg.global_norm([m - w for m, w in zip(means, weighted)])
                       / tf.linalg.global_norm(weighted))
-        loss = sum(float(s) for s, _, _ in sums) / total
-        mean_loss = sum(float(s) / float(w) for s, w, _ in sums) / len(shards)
+        loss = sum(float(result.loss_sum) for result in sums) / total
+        mean_loss = sum(float(result.loss_sum) / float(result.weight_sum) for result in sums) / len(shards)
         results.append((loss, mean_loss, error))
     return results
 

@@ -27,6 +27,12 @@ per micro-step and none for the weights: with unit weights c / W = 1 / (N x K),
 which equals `tf.nn.compute_average_loss` with the global batch G (divided, in
 float16, by the dynamic loss scale the sums were multiplied by).
 
+A model that adds losses of the batch through Keras (`add_loss`, activity
+regularizers) has a second gradient sum per replica, that of those losses;
+`apply` scales it by b / G (G examples per update, b per replica and
+micro-step) and adds it to the first before the same one all-reduce, and
+their scaled sum travels in `finish`'s scalars.
+
 A model with randomness (Dropout) gets, in each replica's pass, the seeds
 `towers.pass_seeds` makes of (its generators' seeds, the step counter, the
 micro-step, the global replica id): the seeds tower mode gives the tower that
@@ -68,6 +74,8 @@ class StrategyStep:
         self._accum = accum
         self._first_replica = first_replica  # global id of this worker's first replica
         self._local_replicas = len(strategy.extended.worker_devices)
+        # b / G: a replica's share of the update's examples (every replica takes equal shards).
+        self._replica_share = 1.0 / (strategy.num_replicas_in_sync * accum)
         # CentralStorageStrategy has no replica-local variables: its accumulators are one sum over
         # all replicas on the parameter device (a reduction every micro-step), so each replica
         # counts 1/N of it.
@@ -81,6 +89,12 @@ class StrategyStep:
                                for j, v in enumerate(model.trainable_variables)]
             self._loss_sum = tf.Variable(0.0, name="loss_sum", **local)
             self._weight_sum = tf.Variable(0.0, name="weight_sum", **local)
+            self._batch_grad_sums: list[tf.Variable] = []
+            self._batch_loss_sum = None
+            if model.adds_batch_losses:
+                self._batch_grad_sums = [tf.Variable(tf.zeros(v.shape, v.dtype), name=f"batch_grad_sum_{j}", **local)
+                                         for j, v in enumerate(model.trainable_variables)]
+                self._batch_loss_sum = tf.Variable(0.0, name="batch_loss_sum", **local)
             self._statistics = TrainingStatistics(model)
             self._generator_states = seed_generator_states(model)  # None: a model without randomness
             if self._generator_states is not None:
@@ -97,7 +111,7 @@ class StrategyStep:
             self.accumulate(*next(batches))
         features, labels, weights = next(batches)
         scalars, regularization = self.finish(features, labels, weights)
-        loss_sum, total_weight, nonfinite = scalars.numpy()
+        loss_sum, total_weight, nonfinite, *batch_loss = scalars.numpy()  # batch_loss: [] or [mean]
         applied = nonfinite == 0 and total_weight > 0
         if applied:
             count = labels_per_shard(labels.shape, [labels.shape[0] // self._local_replicas])[0]
@@ -105,7 +119,7 @@ class StrategyStep:
         else:
             self.discard(tf.constant(nonfinite > 0 and total_weight > 0))  # an empty update: no overflow
         mean_loss = loss_sum / total_weight if total_weight > 0 else 0.0
-        return UpdateResult.of(mean_loss + float(regularization), total_weight, applied)
+        return UpdateResult.of(mean_loss + float(regularization) + sum(batch_loss), total_weight, applied)
 
     def traced_update(self, spec: BatchSpec) -> list[tuple[object, int]]:
         runs = [(self.accumulate.get_concrete_function(*spec), self._accum - 1)] if self._accum > 1 else []
@@ -115,7 +129,8 @@ class StrategyStep:
     def variable_roles(self) -> Mapping[str, Sequence]:
         model = self._rule.model
         return {"weights": model.trainable_variables,
-                "gradients": self._grad_sums + [self._loss_sum, self._weight_sum],
+                "gradients": (self._grad_sums + self._batch_grad_sums + [self._loss_sum, self._weight_sum]
+                              + ([self._batch_loss_sum] if self._batch_loss_sum is not None else [])),
                 "statistics": model.non_trainable_weights}
 
     def _per_replica(self, batch: Batch) -> tf.distribute.DistributedValues:
@@ -137,21 +152,27 @@ class StrategyStep:
                                self._micro_step.read_value(), replica)
             self._micro_step.assign_add(1)
             shard = (*shard, None, seeds)  # no copy of the weights
-        loss_sum, weight_sum, grads = self._tower(*shard)
-        for grad_sum, grad in zip(self._grad_sums, grads, strict=True):
+        result = self._tower(*shard)
+        for grad_sum, grad in zip(self._grad_sums, result.gradients, strict=True):
             grad_sum.assign_add(grad)
-        self._loss_sum.assign_add(loss_sum)
-        self._weight_sum.assign_add(weight_sum)
+        self._loss_sum.assign_add(result.loss_sum)
+        self._weight_sum.assign_add(result.weight_sum)
+        if self._batch_loss_sum is not None:
+            for grad_sum, grad in zip(self._batch_grad_sums, result.batch_gradients, strict=True):
+                grad_sum.assign_add(grad)
+            self._batch_loss_sum.assign_add(result.batch_loss)
         return tf.identity(self._loss_sum.read_value())
 
     def _finish(self, features: tf.Tensor, labels: tf.Tensor,
                 weights: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
-        """The last micro-step: [sum(w * loss), sum(w), non-finite values], summed over every
-        replica of every worker, and the regularization of the weights the update started from."""
+        """The last micro-step: [sum(w * loss), sum(w), non-finite values] and, for a model that
+        adds losses of the batch, their mean over the update's examples, summed over every replica
+        of every worker; and the regularization of the weights the update started from."""
         self._strategy.run(self._accumulate_replica, args=(self._per_replica((features, labels, weights)),))
         scalars = self._strategy.run(self._replica_scalars)
         # Under CentralStorageStrategy the sums are already shared: each replica holds 1/N of them.
-        share = tf.constant([self._accumulated_share, self._accumulated_share, 1.0])
+        share = tf.constant([self._accumulated_share, self._accumulated_share, 1.0]
+                            + [self._accumulated_share] * (self._batch_loss_sum is not None))
         # Where the first copy of the weights lives: computed on the host instead, the
         # regularization would bring the weights it reads there (3.8 MB per update for cifar10_cnn).
         with tf.device(self._strategy.extended.parameter_devices[0]):
@@ -159,17 +180,27 @@ class StrategyStep:
         return self._strategy.reduce(tf.distribute.ReduceOp.SUM, scalars, axis=None) * share, regularization
 
     def _replica_scalars(self) -> tf.Tensor:
-        values = [self._loss_sum.read_value()] + [s.read_value() for s in self._grad_sums]
-        nonfinite = tf.add_n([tf.reduce_sum(tf.cast(~tf.math.is_finite(v), tf.float32)) for v in values])
-        return tf.stack([self._loss_sum.read_value(), self._weight_sum.read_value(), nonfinite])
+        values = [self._loss_sum.read_value()] + [s.read_value() for s in self._grad_sums + self._batch_grad_sums]
+        batch_loss = []
+        if self._batch_loss_sum is not None:
+            batch_loss = [self._batch_loss_sum.read_value() * self._replica_share]
+        nonfinite = tf.add_n([tf.reduce_sum(tf.cast(~tf.math.is_finite(v), tf.float32))
+                              for v in values + batch_loss])
+        return tf.stack([self._loss_sum.read_value(), self._weight_sum.read_value(), nonfinite] + batch_loss)
 
     def _apply(self, count_over_weight: tf.Tensor) -> None:
         self._strategy.run(self._apply_replica, args=(count_over_weight,))
 
     def _apply_replica(self, count_over_weight: tf.Tensor) -> None:
         scale = count_over_weight * self._accumulated_share
+        batch_scale = self._replica_share * self._accumulated_share
         if self._rule.loss_scale is not None:  # float16: the sums hold S x gradients
             scale = scale / self._rule.loss_scale.value.read_value()
+            batch_scale = batch_scale / self._rule.loss_scale.value.read_value()
+        gradients = [s.read_value() * scale for s in self._grad_sums]
+        if self._batch_grad_sums:
+            gradients = [g + s.read_value() * batch_scale
+                         for g, s in zip(gradients, self._batch_grad_sums, strict=True)]
         context = tf.distribute.get_replica_context()
         replicas = self._strategy.num_replicas_in_sync
         statistics = self._statistics.live
@@ -177,8 +208,7 @@ class StrategyStep:
         # examples and the mean of the replicas' BatchNorm statistics, which each replica moved
         # over its own shards only (Keras gives them no aggregation, so they drift apart).
         reduced = context.all_reduce(tf.distribute.ReduceOp.SUM,
-                                     [s.read_value() * scale for s in self._grad_sums]
-                                     + [v.read_value() / replicas for v in statistics])
+                                     gradients + [v.read_value() / replicas for v in statistics])
         _, regularization_grads = regularization_gradients(self._rule.model)
         mean_grads = [g + r for g, r in zip(reduced[:len(self._grad_sums)], regularization_grads, strict=True)]
         for statistic, mean in zip(statistics, reduced[len(self._grad_sums):], strict=True):
@@ -199,9 +229,9 @@ class StrategyStep:
         self._clear()
 
     def _clear(self) -> None:
-        for grad_sum in self._grad_sums:
+        for grad_sum in self._grad_sums + self._batch_grad_sums:
             grad_sum.assign(tf.zeros_like(grad_sum))
-        self._loss_sum.assign(tf.zeros_like(self._loss_sum))
-        self._weight_sum.assign(tf.zeros_like(self._weight_sum))
+        for scalar_sum in [self._loss_sum, self._weight_sum] + ([self._batch_loss_sum] if self._batch_loss_sum is not None else []):
+            scalar_sum.assign(tf.zeros_like(scalar_sum))
         if self._generator_states is not None:
             self._micro_step.assign(tf.zeros_like(self._micro_step))

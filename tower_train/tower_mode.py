@@ -39,6 +39,12 @@ What crosses devices can be narrower than float32:
 
 A tower on the parameter device casts nothing: nothing of it crosses devices.
 
+A model that adds losses of the batch through Keras (`add_loss`, activity
+regularizers) has a second gradient sum per tower, that of those losses,
+which the update folds into the first on the tower's device before it
+travels (`towers` has the math): more memory and a second backward pass, no
+more traffic.
+
 A model with randomness (Dropout) gets, in each tower's pass, the seeds
 `towers.pass_seeds` makes of (its generators' seeds, the step counter, the
 micro-step, the tower), computed on the parameter device; the micro-step is
@@ -81,6 +87,7 @@ class TowerStep:
         self._shard_sizes = tuple(shard_sizes)  # examples of each tower per micro-step
         self._param_device = param_device
         self._accum = accum
+        self._examples_per_update = sum(shard_sizes) * accum  # G
         # Per tower: whether it is on another device than the variables, so that what it reads
         # and returns crosses devices.
         self._remote = [canonical_device(d) != canonical_device(param_device) for d in self._devices]
@@ -92,19 +99,24 @@ class TowerStep:
             self._statistics = TrainingStatistics(model)
             if self._generator_states is not None:
                 self._micro_step = tf.Variable(0, dtype=tf.int64, trainable=False, name="micro_step")
-        # Per tower, on its device: the gradient sum, sum(w * loss) and sum(w).
+        # Per tower, on its device: the gradient sum, sum(w * loss) and sum(w); for a model that adds
+        # losses of the batch, also their sum and its gradient sum.
         self._grad_sums: list[list[tf.Variable]] = []
         self._loss_sums: list[tf.Variable] = []
         self._weight_sums: list[tf.Variable] = []
+        self._batch_grad_sums: list[list[tf.Variable]] = []
+        self._batch_loss_sums: list[tf.Variable] = []
         if accum > 1:
             for i, device in enumerate(self._devices):
                 with tf.device(device):
-                    self._grad_sums.append([
-                        tf.Variable(tf.zeros(v.shape, v.dtype), trainable=False,
-                                    name=f"tower_{i}_grad_sum_{j}")
-                        for j, v in enumerate(model.trainable_variables)])
+                    self._grad_sums.append(_zeros_like(model.trainable_variables, f"tower_{i}_grad_sum"))
                     self._loss_sums.append(tf.Variable(0.0, trainable=False, name=f"tower_{i}_loss_sum"))
                     self._weight_sums.append(tf.Variable(0.0, trainable=False, name=f"tower_{i}_weight_sum"))
+                    if model.adds_batch_losses:
+                        self._batch_grad_sums.append(
+                            _zeros_like(model.trainable_variables, f"tower_{i}_batch_grad_sum"))
+                        self._batch_loss_sums.append(
+                            tf.Variable(0.0, trainable=False, name=f"tower_{i}_batch_loss_sum"))
         # Per tower, on its device: a copy of the trainable weights, or None to read them from the
         # parameter device. Not state: a TowerStep is not checkpointed, and each update refreshes them.
         copied = tower_weights == "per_update" and accum > 1
@@ -145,7 +157,8 @@ class TowerStep:
     def variable_roles(self) -> Mapping[str, Sequence]:
         model = self._rule.model
         copies = [c for tower in self._weight_copies if tower is not None for c in tower]
-        sums = [v for tower in self._grad_sums for v in tower] + self._loss_sums + self._weight_sums
+        sums = ([v for tower in self._grad_sums + self._batch_grad_sums for v in tower]
+                + self._loss_sums + self._weight_sums + self._batch_loss_sums)
         return {"weights": model.trainable_variables + copies, "gradients": sums,
                 "statistics": model.non_trainable_weights}
 
@@ -185,42 +198,68 @@ class TowerStep:
 
     def _accumulate(self, features: tf.Tensor, labels: tf.Tensor, weights: tf.Tensor) -> None:
         """A micro-step that does not update: a global micro-batch [N*b, ...] -> nothing."""
-        for device, (loss_sum, weight_sum, grads), grad_sums, loss_acc, weight_acc in zip(
-                self._devices, self._towers((features, labels, weights)), self._grad_sums,
-                self._loss_sums, self._weight_sums, strict=True):
+        for i, (device, result) in enumerate(zip(self._devices, self._towers((features, labels, weights)),
+                                                 strict=True)):
             with tf.device(device):
-                for grad_sum, grad in zip(grad_sums, grads, strict=True):
+                for grad_sum, grad in zip(self._grad_sums[i], result.gradients, strict=True):
                     grad_sum.assign_add(grad)
-                loss_acc.assign_add(loss_sum)
-                weight_acc.assign_add(weight_sum)
+                self._loss_sums[i].assign_add(result.loss_sum)
+                self._weight_sums[i].assign_add(result.weight_sum)
+                if self._batch_grad_sums:
+                    for grad_sum, grad in zip(self._batch_grad_sums[i], result.batch_gradients, strict=True):
+                        grad_sum.assign_add(grad)
+                    self._batch_loss_sums[i].assign_add(result.batch_loss)
+
+    def _with_accumulated(self, i: int, result: TowerResult) -> TowerResult:
+        """Tower i's last micro-step plus its sums of the update's earlier ones (on its device)."""
+        if not self._grad_sums:  # K = 1
+            return result
+        batch_loss, batch_grads = result.batch_loss, result.batch_gradients
+        if self._batch_grad_sums:
+            batch_loss = self._batch_loss_sums[i].read_value() + batch_loss
+            batch_grads = [s.read_value() + g for s, g in zip(self._batch_grad_sums[i], batch_grads, strict=True)]
+        return TowerResult(self._loss_sums[i].read_value() + result.loss_sum,
+                           self._weight_sums[i].read_value() + result.weight_sum,
+                           [s.read_value() + g for s, g in zip(self._grad_sums[i], result.gradients, strict=True)],
+                           batch_loss, batch_grads)
 
     def _update(self, features: tf.Tensor, labels: tf.Tensor,
                 weights: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
         """The last micro-step of an update; returns (the update's weighted mean loss, its total
         weight, whether it was applied)."""
-        tower_grads, loss_sums, weight_sums = [], [], []
-        narrow_gradients = self._transfer_dtype != tf.float32
-        for i, (device, remote, (loss_sum, weight_sum, grads)) in enumerate(
-                zip(self._devices, self._remote, self._towers((features, labels, weights)))):
+        results = []
+        for i, (device, result) in enumerate(zip(self._devices, self._towers((features, labels, weights)),
+                                                 strict=True)):
             with tf.device(device):
-                if self._grad_sums:
-                    grads = [s.read_value() + g for s, g in zip(self._grad_sums[i], grads, strict=True)]
-                    loss_sum = self._loss_sums[i].read_value() + loss_sum
-                    weight_sum = self._weight_sums[i].read_value() + weight_sum
+                results.append(self._with_accumulated(i, result))
+        counts = labels_per_shard(labels.shape, self._shard_sizes)
+        with tf.device(self._param_device):
+            total_weight = tf.add_n([result.weight_sum for result in results])
+            safe_weight = tf.where(total_weight > 0, total_weight, 1.0)  # W = 0 is refused below
+        tower_grads = []
+        narrow_gradients = self._transfer_dtype != tf.float32
+        for device, remote, result, count, size in zip(self._devices, self._remote, results, counts,
+                                                       self._shard_sizes, strict=True):
+            with tf.device(device):
+                grads = result.gradients
+                if result.batch_gradients is not None:
+                    # combine_gradients multiplies tower i's sum by c_i / W; the batch losses' must
+                    # come out multiplied by b_i / G.
+                    factor = safe_weight * (size / (count * self._examples_per_update))
+                    grads = [g + b * factor for g, b in zip(grads, result.batch_gradients, strict=True)]
                 if narrow_gradients and remote:
                     grads = [tf.cast(g, self._transfer_dtype) for g in grads]
             tower_grads.append(grads)
-            loss_sums.append(loss_sum)
-            weight_sums.append(weight_sum)
-        counts = labels_per_shard(labels.shape, self._shard_sizes)
         with tf.device(self._param_device):
             variables = self._rule.model.trainable_variables
             tower_grads = [[tf.cast(g, v.dtype) for g, v in zip(grads, variables, strict=True)]
                            for grads in tower_grads]  # back from transfer_dtype; else nothing
-            total_weight = tf.add_n(weight_sums)
             regularization, regularization_grads = regularization_gradients(self._rule.model)
-            mean_loss = tf.math.divide_no_nan(tf.add_n(loss_sums), total_weight) + regularization
-            safe_weight = tf.where(total_weight > 0, total_weight, 1.0)  # W = 0 is refused below
+            mean_loss = (tf.math.divide_no_nan(tf.add_n([result.loss_sum for result in results]), total_weight)
+                         + regularization)
+            if self._rule.model.adds_batch_losses:  # their mean over the update's G examples
+                mean_loss += tf.add_n([result.batch_loss * (size / self._examples_per_update)
+                                       for result, size in zip(results, self._shard_sizes, strict=True)])
             mean_grads = combine_gradients(tower_grads, counts, safe_weight)
             if self._rule.loss_scale is not None:
                 mean_grads = self._rule.loss_scale.unscale(mean_grads)
@@ -241,14 +280,19 @@ class TowerStep:
 
             applied = tf.cond(tf.logical_and(finite, total_weight > 0), apply, refuse)
         # No accumulators at K = 1: the loop then does nothing.
-        for device, grad_sums, loss_acc, weight_acc in zip(
-                self._devices, self._grad_sums, self._loss_sums, self._weight_sums):
+        for i, device in enumerate(self._devices[:len(self._grad_sums)]):
             with tf.device(device):
-                for grad_sum in grad_sums:
+                for grad_sum in self._grad_sums[i] + (self._batch_grad_sums[i] if self._batch_grad_sums else []):
                     grad_sum.assign(tf.zeros_like(grad_sum))
-                loss_acc.assign(0.0)
-                weight_acc.assign(0.0)
+                for scalar_sum in [self._loss_sums[i], self._weight_sums[i]] + self._batch_loss_sums[i:i + 1]:
+                    scalar_sum.assign(0.0)
         if self._generator_states is not None:
             with tf.device(self._param_device):
                 self._micro_step.assign(0)
         return mean_loss, total_weight, applied
+
+
+def _zeros_like(variables: Sequence[tf.Variable], name: str) -> list[tf.Variable]:
+    """An accumulator per variable, zeros of its shape and dtype, on the current device."""
+    return [tf.Variable(tf.zeros(v.shape, v.dtype), trainable=False, name=f"{name}_{j}")
+            for j, v in enumerate(variables)]

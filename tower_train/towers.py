@@ -21,6 +21,14 @@ reduction of the update, which multiplies each tower's gradient sum by c / W,
 and then adds the gradient of the regularization. With unit weights and equal
 shards, c / W = 1 / (N x K): the mean of the tower gradients.
 
+Losses a model's call adds through Keras (`add_loss`, activity regularizers:
+`TowerModel.batch_losses`) are means over the call's b examples, so an update
+adds their mean over its G examples, sum over shards of b x a / G, as Keras's
+fit on one batch of G would (an activity regularizer's sum over G examples,
+divided by G). A tower returns their sum a over its shard's call and the
+gradient of that, kept apart from the weighted gradient, since W is known only
+at the end of the update and G is known from the start.
+
 A model's randomness (Dropout's masks, `keras.random` draws from a layer's
 `SeedGenerator`) is a pure function of the generators' seeds, the update, the
 micro-step and the tower: each tower's pass gives every generator the state
@@ -29,7 +37,7 @@ one drew, and no generator's variable moves.
 """
 from __future__ import annotations
 
-from typing import Callable, Sequence, TypeVar
+from typing import Callable, NamedTuple, Sequence, TypeVar
 
 import numpy as np
 import tensorflow as tf
@@ -38,7 +46,17 @@ from tower_train.models.base import TowerModel
 from tower_train.update_rule import LossScale
 
 T = TypeVar("T")
-TowerResult = tuple[tf.Tensor, tf.Tensor, list[tf.Tensor]]
+
+
+class TowerResult(NamedTuple):
+    """What one tower pass returns (`tower_loss_and_gradients`)."""
+
+    loss_sum: tf.Tensor  # float32 scalar: sum(w * loss) over the shard
+    weight_sum: tf.Tensor  # float32 scalar: sum(w) over the shard
+    gradients: list[tf.Tensor]  # of S x sum(w * loss) / c, one per trainable variable
+    batch_loss: tf.Tensor  # float32 scalar a: the sum of the call's batch losses (0 without any)
+    # Of S x a, one per trainable variable; None for a model that adds no batch loss.
+    batch_gradients: list[tf.Tensor] | None
 
 
 def tower_loss_and_gradients(
@@ -63,28 +81,35 @@ def tower_loss_and_gradients(
         move); or int64 [S, 2], the states this pass gives them (`pass_seeds`).
 
     Returns:
-      (weighted_loss_sum, weight_sum, gradients): the float32 scalars sum(w * loss) and
-      sum(w) over the shard, and the gradient of S x sum(w * loss) / c, c = the number of
-      labels in the shard, for each of `model.trainable_variables` (same order and shapes).
+      A `TowerResult`: the float32 scalars sum(w * loss) and sum(w) over the shard, and the
+      gradient of S x sum(w * loss) / c, c = the number of labels in the shard, for each of
+      `model.trainable_variables` (same order and shapes); the sum a of the losses the call added
+      through Keras (`model.batch_losses`), and, when `model.adds_batch_losses`, the gradient of
+      S x a (a second backward pass, from the same tape).
     """
     if weight_copies is None:
         sources = model.trainable_variables
     else:
         sources = [tf.cast(tf.convert_to_tensor(copy), v.dtype)
                    for copy, v in zip(weight_copies, model.trainable_variables, strict=True)]
-    with tf.GradientTape() as tape:
+    with tf.GradientTape(persistent=model.adds_batch_losses) as tape:
         if weight_copies is not None:
             tape.watch(sources)
         with model.using(weights=None if weight_copies is None else sources,
                          seeds=None if seeds is None else tf.unstack(seeds)):
             logits = model(features, training=True)
             losses = tf.cast(model.per_example_loss(labels, logits), tf.float32)
+            batch_loss = model.batch_loss()
         weighted_loss_sum = tf.reduce_sum(losses * weights)
         objective = weighted_loss_sum / tf.cast(tf.size(weights), tf.float32)
+        batch_objective = batch_loss
         if loss_scale is not None:
-            objective = objective * loss_scale
-    gradients = tape.gradient(objective, sources)
-    return weighted_loss_sum, tf.reduce_sum(weights), dense(gradients, model.trainable_variables)
+            objective, batch_objective = objective * loss_scale, batch_objective * loss_scale
+    gradients = dense(tape.gradient(objective, sources), model.trainable_variables)
+    batch_gradients = None
+    if model.adds_batch_losses:
+        batch_gradients = dense(tape.gradient(batch_objective, sources), model.trainable_variables)
+    return TowerResult(weighted_loss_sum, tf.reduce_sum(weights), gradients, batch_loss, batch_gradients)
 
 
 def dense(gradients: Sequence[tf.Tensor | tf.IndexedSlices | None], variables) -> list[tf.Tensor]:
