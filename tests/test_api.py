@@ -157,7 +157,7 @@ def test_a_train_dir_of_another_run_is_refused_naming_a_fresh_one(tmp_path):
     before = sorted(os.listdir(run))
     with pytest.raises(tower_train.UsageError) as error:
         tower_train.fit(**{**options, "seed": 1, "max_steps": 2})
-    assert f"holds another run: seed 0 there, 1 here" in str(error.value)
+    assert "holds another run: seed 0 there, 1 here" in str(error.value)
     assert str(error.value).endswith(f"or add --train_dir={tmp_path / 'run_3'}")
     assert sorted(os.listdir(run)) == before
 

@@ -13,7 +13,7 @@ import tensorflow as tf
 
 import tower_train
 import tower_train.models as models
-from tower_train import data, datasets
+from tower_train import datasets
 from tower_train.errors import UsageError
 from test_cli_errors import ROOT, run_cli
 

@@ -604,9 +604,6 @@ def records():
 def test_a_file_deleted_while_the_command_trains_is_one_line_and_exit_1(tmp_path):
     """The real process: the file goes while training runs, and the reader meets its absence when
     the stream comes round to it again (an open file stays readable until it is closed)."""
-    import subprocess
-    import sys
-
     from helpers import read_until
 
     train = write_split(tmp_path, "train", TRAIN_SIZES)
