@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tower_train import checkpoints
+from tower_train import checkpoints, run_dir
 from tower_train.config import RUN_FILE
 from tower_train.errors import UsageError
 
-RECORD = checkpoints.run_record("mlp", None, "synthetic", 0, "momentum", 16, True)
+RECORD = run_dir.run_record("mlp", None, "synthetic", 0, "momentum", 16, True)
 
 
 def state(shape=(2,), loss_scale=False) -> tf.train.Checkpoint:

@@ -19,7 +19,7 @@ import tensorflow as tf
 import tower_train
 import tower_train.models as models
 from tower_train import datasets, image_data
-from tower_train.checkpoints import TrainDirLock
+from tower_train.run_dir import TrainDirLock
 from tower_train.errors import UsageError
 from tower_train.evaluation import (check_metrics, evaluate, make_metrics, shard_bounds,
                                    shard_pass, use_moving_average)

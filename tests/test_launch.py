@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 
-from tower_train.checkpoints import TrainDirLock
+from tower_train.run_dir import TrainDirLock
 from tower_train.launch import gpus_of_worker
 from helpers import read_until
 from test_cli_errors import ROOT

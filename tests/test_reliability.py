@@ -37,7 +37,7 @@ def test_a_second_run_in_a_train_dir_is_refused_naming_the_holder_until_it_dies(
     holder = subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(f"""
             import time
-            from tower_train.checkpoints import TrainDirLock
+            from tower_train.run_dir import TrainDirLock
             TrainDirLock({str(train_dir)!r})
             print("held", flush=True)
             time.sleep(600)
@@ -52,7 +52,7 @@ def test_a_second_run_in_a_train_dir_is_refused_naming_the_holder_until_it_dies(
         holder.send_signal(signal.SIGKILL)  # no clean-up runs: only the kernel can release the lock
         holder.wait(timeout=60)
 
-    from tower_train.checkpoints import TrainDirLock
+    from tower_train.run_dir import TrainDirLock
     TrainDirLock(str(train_dir)).release()  # free again
 
 

@@ -17,7 +17,7 @@ import keras
 import pytest
 import tensorflow as tf
 
-from tower_train import checkpoints, trainer
+from tower_train import checkpoints, run_dir, trainer
 from tower_train.cluster import PeerClock
 from tower_train.config import TrainConfig
 from tower_train.errors import Stopped, TrainingError
@@ -138,7 +138,7 @@ class Run:
         self.state = tiny_state(fp16)
         self.writer = checkpoints.CheckpointWriter(
             self.state.checkpoint(), self.train_dir,
-            checkpoints.run_record("tiny", None, "none", 0, "momentum", self.config.global_batch, True))
+            run_dir.run_record("tiny", None, "none", 0, "momentum", self.config.global_batch, True))
         assert self.writer.restore(self.state.all_finite) is None  # a fresh train_dir
         self.clock = RecordingClock()
         self.inner = ScriptedStep(self.state, self.config.accum, script, self.clock, during)

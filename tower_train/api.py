@@ -204,7 +204,7 @@ def fit(model: object = None, data: object = None, *, num_classes: int | None = 
         from tower_train.models import model_class
 
         model_class(config.model, config.model_module)  # a bad name fails before the devices
-    from tower_train.checkpoints import TrainDirLock
+    from tower_train.run_dir import TrainDirLock
 
     # The chief writes the checkpoints, so it holds the train_dir for the whole run.
     with TrainDirLock(config.train_dir) if worker.is_chief else contextlib.nullcontext():

@@ -1,9 +1,7 @@
-"""Checkpoints and the run record of a train_dir, shared by training and evaluation.
+"""The checkpoints of a train_dir, shared by training and evaluation.
 
-A train_dir holds the checkpoints of ONE run: `RUN_FILE` records what must not
-change for them to be resumed (the model, the data, the seed, the optimizer,
-whether a moving average is kept, and G, the examples per update), and every
-checkpoint holds a copy of it. Training refuses a train_dir whose record differs;
+A train_dir holds the checkpoints of ONE run: its run record (`run_dir`) says
+which, and every checkpoint holds a copy of it. Training refuses a train_dir whose record differs;
 evaluation refuses a checkpoint of another model. Restoring takes the newest
 checkpoint that reads back whole, found from the checkpoint files themselves: the
 index file `checkpoint` may be lost or damaged without losing a checkpoint, and no
@@ -12,14 +10,11 @@ checkpoint file is ever overwritten.
 from __future__ import annotations
 
 import dataclasses
-import errno
-import fcntl
 import glob
 import json
 import os
 import re
 import shutil
-import socket
 import time
 import types
 from typing import Callable
@@ -29,9 +24,9 @@ from absl import logging
 
 from tower_train.config import RUN_FILE
 from tower_train.errors import TrainingError, UsageError, first_line
+from tower_train.run_dir import fresh_directory, read_run_record, record_differences, write_run_record
 
 CHECKPOINTS_KEPT = 5  # enough to fall back past a bad one, small enough to ignore
-LOCK_FILE = "lock"  # held by the run that trains in a train_dir
 _STATE_FILE = "checkpoint"  # where tf.train.CheckpointManager lists a directory's checkpoints
 PASSED_OVER = "passed_over"  # where a passed-over checkpoint goes before its number is written again
 _CHECKPOINT_FILE = re.compile(r"ckpt-(\d+)\.(?:index|data-\d{5}-of-\d{5})")
@@ -43,32 +38,6 @@ _OPTIMIZER_WEIGHTS_PREFIX = "optimizer/_trainable_variables/"
 _OBJECT_GRAPH = "_CHECKPOINTABLE_OBJECT_GRAPH"
 # TF's reader fails on a damaged file in all of these ways, depending on where it is cut.
 _READ_ERRORS = (tf.errors.OpError, AssertionError, ValueError, IndexError, KeyError)
-
-
-_FOR_MESSAGES_ONLY = ("model_module",)  # recorded for the eval command's hints, not compared
-
-
-def run_record(model: str, model_module: str | None, dataset: str, seed: int, optimizer: str,
-               global_batch: int, moving_average: bool) -> dict:
-    """What must not change for a checkpoint to be resumed (any factoring of G is fine:
-    that is the promise), and the module that registers the model."""
-    return {"model": model, "model_module": model_module, "dataset": dataset, "seed": seed,
-            "optimizer": optimizer, "global_batch": global_batch, "moving_average": moving_average}
-
-
-def read_run_record(directory: str) -> dict | None:
-    """The run record in `directory`, None if there is none; UsageError if it is unreadable."""
-    path = os.path.join(directory, RUN_FILE)
-    if not os.path.exists(path):
-        return None
-    try:
-        with open(path) as f:
-            record = json.load(f)
-    except (OSError, ValueError) as e:
-        raise UsageError(f"--train_dir={directory}: {RUN_FILE} is unreadable ({e})") from None
-    if not isinstance(record, dict):
-        raise UsageError(f"--train_dir={directory}: {RUN_FILE} holds no JSON object")
-    return record
 
 
 def check_same_run(train_dir: str, record: dict) -> None:
@@ -97,8 +66,7 @@ def check_same_run(train_dir: str, record: dict) -> None:
                         os.path.join(train_dir, RUN_FILE), copy)
     if saved is None:
         return
-    differ = [f"{key} {saved.get(key)!r} there, {value!r} here" for key, value in record.items()
-              if saved.get(key) != value and key not in _FOR_MESSAGES_ONLY]
+    differ = record_differences(saved, record)
     if differ:
         raise UsageError(f"--train_dir={train_dir} holds another run{says}: " + "; ".join(differ)
                          + " (global_batch = batch_size x towers x workers x accum); use the same "
@@ -128,75 +96,6 @@ def _record_copy(directory: str, numbers: list[int]) -> tuple[dict | None, str |
         if isinstance(record, dict):
             return record, path
     return None, None
-
-
-def fresh_directory(train_dir: str) -> str:
-    """The first of <train_dir>_2, _3, ... that does not exist: a train_dir to suggest."""
-    base = train_dir.rstrip(os.sep) or train_dir
-    number = 2
-    while os.path.exists(f"{base}_{number}"):
-        number += 1
-    return f"{base}_{number}"
-
-
-def write_run_record(train_dir: str, record: dict) -> None:
-    """Writes the record unless there is one, whole or not at all (a full disk leaves no half)."""
-    path = os.path.join(train_dir, RUN_FILE)
-    if os.path.exists(path):
-        return
-    staging = f"{path}.tmp"
-    try:
-        with open(staging, "w") as f:
-            json.dump(record, f, indent=1)
-        os.replace(staging, path)
-    finally:
-        if os.path.exists(staging):
-            os.remove(staging)
-
-
-class TrainDirLock:
-    """An exclusive lock on a train_dir for the life of one run: a second run there is refused.
-
-    It is a `flock` on train_dir/lock, so the kernel releases it whenever the holder
-    ends, SIGKILL included: a lock left by a dead run never blocks the next one. The
-    file says who holds it (PID and host), for the refusal's message. Evaluation
-    takes no lock: it only reads.
-    """
-
-    def __init__(self, train_dir: str):
-        self._created = not os.path.isdir(train_dir)
-        os.makedirs(train_dir, exist_ok=True)
-        self._path = path = os.path.join(train_dir, LOCK_FILE)
-        self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            holder = os.pread(self._fd, 200, 0).decode(errors="replace").strip() or "unknown"
-            os.close(self._fd)
-            if e.errno not in (errno.EWOULDBLOCK, errno.EACCES):
-                raise UsageError(f"--train_dir={train_dir}: cannot lock {path} ({e.strerror})") from None
-            raise UsageError(f"--train_dir={train_dir}: another run is training there ({holder}); "
-                             f"wait for it to end, or add --train_dir={fresh_directory(train_dir)}") from None
-        try:
-            os.ftruncate(self._fd, 0)
-            os.pwrite(self._fd, f"PID {os.getpid()} on host {socket.gethostname()}\n".encode(), 0)
-        except OSError:
-            pass  # a full disk: the lock holds all the same, only its message names no one
-
-    def release(self) -> None:
-        """Releases the lock; a train_dir this run made and never wrote to goes again, so a run
-        refused after taking it leaves nothing behind."""
-        directory = os.path.dirname(self._path)
-        if self._created and os.listdir(directory) == [LOCK_FILE]:
-            os.remove(self._path)
-            os.rmdir(directory)
-        os.close(self._fd)  # releases the flock
-
-    def __enter__(self) -> "TrainDirLock":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.release()
 
 
 def restore_latest_readable(checkpoint: tf.train.Checkpoint, train_dir: str,

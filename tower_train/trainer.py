@@ -23,7 +23,7 @@ import keras
 import tensorflow as tf
 from absl import logging
 
-from tower_train import checkpoints
+from tower_train import checkpoints, run_dir
 from tower_train.callbacks import KerasCallbacks
 from tower_train.cluster import PeerClock, WorkerInfo
 from tower_train.config import TrainConfig
@@ -437,8 +437,8 @@ def _train(config: TrainConfig, spec: ModelSpec, source: Source, mode: Mode, wat
     worker, plan = mode.worker, mode.plan
     log = _worker_logger(worker)
     global_batch = config.global_batch * worker.count
-    record = checkpoints.run_record(spec.name, config.model_module, source.name, config.seed,
-                                    config.optimizer, global_batch, config.ema_decay > 0)
+    record = run_dir.run_record(spec.name, config.model_module, source.name, config.seed,
+                                config.optimizer, global_batch, config.ema_decay > 0)
     checkpoints.check_same_run(config.train_dir, record)
     with watchdog.local_work():  # building and restoring: TF's collective timeout covers their waits
         state = build_state(config, spec, source, mode.variable_scope(), worker.count)

@@ -1,0 +1,71 @@
+"""`run_dir.py` in the test process: the lock of a train_dir, its run record, and the fresh
+train_dir a refusal suggests. A lock held by another, live process is test_reliability.py's."""
+import json
+import os
+import socket
+
+import pytest
+
+from tower_train import run_dir
+from tower_train.config import RUN_FILE
+from tower_train.errors import UsageError
+
+RECORD = run_dir.run_record("mlp", "my_models", "synthetic", 0, "momentum", 16, True)
+
+
+def test_a_second_lock_is_refused_naming_the_holder_until_the_first_is_released(tmp_path):
+    train_dir = str(tmp_path / "run")
+    first = run_dir.TrainDirLock(train_dir)
+    with pytest.raises(UsageError) as refused:
+        run_dir.TrainDirLock(train_dir)  # another open file: flock refuses it, even in one process
+    assert str(refused.value) == (
+        f"--train_dir={train_dir}: another run is training there (PID {os.getpid()} on host "
+        f"{socket.gethostname()}); wait for it to end, or add --train_dir={train_dir}_2")
+    first.release()
+    with run_dir.TrainDirLock(train_dir):
+        pass
+
+
+def test_a_lock_removes_the_train_dir_it_made_only_if_nothing_else_was_written(tmp_path):
+    made, written, existing = (str(tmp_path / name) for name in ("made", "written", "existing"))
+    run_dir.TrainDirLock(made).release()
+    assert not os.path.exists(made)
+    with run_dir.TrainDirLock(written):
+        run_dir.write_run_record(written, RECORD)
+    assert sorted(os.listdir(written)) == sorted([RUN_FILE, run_dir.LOCK_FILE])
+    os.mkdir(existing)
+    run_dir.TrainDirLock(existing).release()
+    assert os.listdir(existing) == [run_dir.LOCK_FILE]
+
+
+def test_the_run_record_is_written_once_and_read_back(tmp_path):
+    assert run_dir.read_run_record(str(tmp_path)) is None
+    run_dir.write_run_record(str(tmp_path), RECORD)
+    run_dir.write_run_record(str(tmp_path), {**RECORD, "seed": 5})  # never written over
+    assert run_dir.read_run_record(str(tmp_path)) == RECORD
+    assert os.listdir(tmp_path) == [RUN_FILE]  # no staging file left
+
+
+@pytest.mark.parametrize("content,said", [("{not json", "is unreadable"), ("[1, 2]", "holds no JSON object")])
+def test_an_unreadable_run_record_is_one_usage_error_line(tmp_path, content, said):
+    (tmp_path / RUN_FILE).write_text(content)
+    with pytest.raises(UsageError) as error:
+        run_dir.read_run_record(str(tmp_path))
+    assert str(error.value).startswith(f"--train_dir={tmp_path}: {RUN_FILE} {said}")
+    assert "\n" not in str(error.value)
+
+
+def test_record_differences_name_each_changed_value_but_not_the_models_module():
+    saved = json.loads(json.dumps(RECORD))
+    changed = {**RECORD, "seed": 3, "global_batch": 32, "model_module": "elsewhere"}
+    assert run_dir.record_differences(saved, changed) == ["seed 0 there, 3 here",
+                                                          "global_batch 16 there, 32 here"]
+    assert run_dir.record_differences(saved, RECORD) == []
+
+
+def test_the_fresh_directory_is_the_first_numbered_one_that_does_not_exist(tmp_path):
+    base = str(tmp_path / "run")
+    assert run_dir.fresh_directory(base + os.sep) == base + "_2"
+    os.mkdir(base + "_2")
+    os.mkdir(base + "_3")
+    assert run_dir.fresh_directory(base) == base + "_4"
