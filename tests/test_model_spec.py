@@ -43,21 +43,29 @@ def keras_big_batch_step(model, source, keras_penalties=True):
     return float(loss), [v.numpy() - LR * g.numpy() for v, g in zip(model.trainable_variables, grads)]
 
 
-@pytest.mark.parametrize("mode,layout,split", LAYOUTS, ids=[f"{m}-{b}x{n}x{k}-{s}" for m, (b, n, k), s in LAYOUTS])
-def test_keras_weight_regularizers_count_once_per_update_as_on_one_big_batch(mode, layout, split):
+def one_update_equals_the_reference(model, source, mode, layout, split, reference) -> tuple[float, list]:
+    """Applies one update of `model` on `source` in this layout and checks its loss and weights
+    against `reference(model, source, True)` from the same initial weights; returns how far that
+    reference is from `reference(model, source, False)`, which leaves the losses under test out:
+    (in the loss, in each variable's largest weight)."""
     batch, towers, accum = layout
-    source = series_source()
-    run = make_run(model=KerasRegularized, source=source, mode=mode, num_gpus=towers, accum=accum,
+    run = make_run(model=model, source=source, mode=mode, num_gpus=towers, accum=accum,
                    batch_size=batch, tower_split=split, optimizer="sgd", learning_rate=LR, ema_decay=0.0)
-    expected_loss, expected = keras_big_batch_step(run.state.model, source)
-    without_loss, without = keras_big_batch_step(run.state.model, source, keras_penalties=False)
+    expected_loss, expected = reference(run.state.model, source, True)
+    without_loss, without = reference(run.state.model, source, False)
     result = run.inner.run_update(synthetic_batches(run, source))
     assert result.applied and result.loss == pytest.approx(expected_loss, rel=1e-5)
     for got, want in zip(weights(run.state.model), expected, strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
-    # Large enough that leaving them out (as before) would fail the comparisons above.
-    assert expected_loss - without_loss > 1.0
-    assert np.abs(expected[0] - without[0]).max() > 1e-2 and np.abs(expected[1] - without[1]).max() > 1e-2
+    return expected_loss - without_loss, [np.abs(e - w).max() for e, w in zip(expected, without)]
+
+
+@pytest.mark.parametrize("mode,layout,split", LAYOUTS, ids=[f"{m}-{b}x{n}x{k}-{s}" for m, (b, n, k), s in LAYOUTS])
+def test_keras_weight_regularizers_count_once_per_update_as_on_one_big_batch(mode, layout, split):
+    in_loss, in_weights = one_update_equals_the_reference(KerasRegularized, series_source(), mode, layout, split,
+                                                          keras_big_batch_step)
+    # Large enough that leaving them out (as before) would fail the comparisons.
+    assert in_loss > 1.0 and in_weights[0] > 1e-2 and in_weights[1] > 1e-2  # the kernel's and bias's
 
 
 class ActivityTagger(Tagger):
@@ -97,16 +105,6 @@ BATCH_LOSS_LAYOUTS = [("tower", (24, 2, 1), None), ("tower", (6, 4, 2), None), (
 def test_losses_a_call_adds_count_as_their_mean_over_the_updates_examples(mode, layout, split):
     """Per-token weights make W differ from the examples' count, and the split makes towers'
     shards unequal: a mean of per-shard means, or dividing by W, would show."""
-    batch, towers, accum = layout
-    source = token_source()
-    run = make_run(model=ActivityTagger, source=source, mode=mode, num_gpus=towers, accum=accum,
-                   batch_size=batch, tower_split=split, optimizer="sgd", learning_rate=LR, ema_decay=0.0)
-    assert run.state.model.adds_batch_losses
-    expected_loss, expected = big_batch_step_with_batch_losses(run.state.model, source)
-    without_loss, without = big_batch_step_with_batch_losses(run.state.model, source, batch_losses=False)
-    result = run.inner.run_update(synthetic_batches(run, source))
-    assert result.applied and result.loss == pytest.approx(expected_loss, rel=1e-5)
-    for got, want in zip(weights(run.state.model), expected, strict=True):
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
-    assert expected_loss - without_loss > 0.1
-    assert max(np.abs(e - w).max() for e, w in zip(expected, without)) > 1e-2
+    in_loss, in_weights = one_update_equals_the_reference(ActivityTagger, token_source(), mode, layout, split,
+                                                          big_batch_step_with_batch_losses)
+    assert in_loss > 0.1 and max(in_weights) > 1e-2
