@@ -88,8 +88,9 @@ def test_every_variable_lives_on_the_parameter_device(ps_device, expected):
     for v in variables + [run.state.step, run.state.examples_seen]:
         device = v.value.device if isinstance(v, keras.Variable) else v.device
         assert canonical_device(device) == canonical_device(expected), v.name
-    for device, grad_sums in zip(run.tower_devices, run.inner._grad_sums):
-        assert {canonical_device(s.device) for s in grad_sums} == {canonical_device(device)}
+    for device, sums in zip(run.tower_devices, run.inner._sums, strict=True):  # but each tower's sums
+        assert {canonical_device(s.device) for s in sums.gradient_variables + sums.scalar_variables} == {
+            canonical_device(device)}
 
 
 def test_apply_runs_once_per_update_and_steps_count_updates():
@@ -99,8 +100,8 @@ def test_apply_runs_once_per_update_and_steps_count_updates():
         run.inner.run_update(batches)
     assert run.state.step.numpy() == 3
     assert run.state.optimizer.iterations.numpy() == 3
-    for grad_sums in run.inner._grad_sums:  # cleared after each update
-        assert all(not np.any(s.numpy()) for s in grad_sums)
+    for sums in run.inner._sums:  # cleared after each update
+        assert all(not np.any(s.numpy()) for s in sums.gradient_variables + sums.scalar_variables)
 
 
 def test_micro_steps_that_do_not_update_move_no_gradient_across_devices():

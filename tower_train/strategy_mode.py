@@ -49,6 +49,7 @@ from tower_train.inner_step import Batch, BatchSpec, UpdateResult
 from tower_train.towers import (labels_per_shard, pass_seeds, regularization_gradients,
                                 seed_generator_states, tower_function)
 from tower_train.update_rule import TrainingStatistics, UpdateRule
+from tower_train.update_sums import UpdateSums
 
 
 class StrategyStep:
@@ -83,22 +84,14 @@ class StrategyStep:
             strategy, tf.distribute.experimental.CentralStorageStrategy) else 1.0)
         # Even at K = 1: the finiteness of an update must be known before it is applied.
         with strategy.scope():
-            local = dict(trainable=False, synchronization=tf.VariableSynchronization.ON_READ,
+            local = dict(synchronization=tf.VariableSynchronization.ON_READ,
                          aggregation=tf.VariableAggregation.SUM)
-            self._grad_sums = [tf.Variable(tf.zeros(v.shape, v.dtype), name=f"grad_sum_{j}", **local)
-                               for j, v in enumerate(model.trainable_variables)]
-            self._loss_sum = tf.Variable(0.0, name="loss_sum", **local)
-            self._weight_sum = tf.Variable(0.0, name="weight_sum", **local)
-            self._batch_grad_sums: list[tf.Variable] = []
-            self._batch_loss_sum = None
-            if model.adds_batch_losses:
-                self._batch_grad_sums = [tf.Variable(tf.zeros(v.shape, v.dtype), name=f"batch_grad_sum_{j}", **local)
-                                         for j, v in enumerate(model.trainable_variables)]
-                self._batch_loss_sum = tf.Variable(0.0, name="batch_loss_sum", **local)
+            self._sums = UpdateSums(model, **local)
             self._statistics = TrainingStatistics(model)
             self._generator_states = seed_generator_states(model)  # None: a model without randomness
             if self._generator_states is not None:
-                self._micro_step = tf.Variable(tf.constant(0, tf.int64), name="micro_step", **local)
+                self._micro_step = tf.Variable(tf.constant(0, tf.int64), name="micro_step", trainable=False,
+                                               **local)
         self.accumulate = tf.function(self._accumulate)
         self.finish = tf.function(self._finish)
         self.apply = tf.function(self._apply)
@@ -129,8 +122,7 @@ class StrategyStep:
     def variable_roles(self) -> Mapping[str, Sequence]:
         model = self._rule.model
         return {"weights": model.trainable_variables,
-                "gradients": (self._grad_sums + self._batch_grad_sums + [self._loss_sum, self._weight_sum]
-                              + ([self._batch_loss_sum] if self._batch_loss_sum is not None else [])),
+                "gradients": self._sums.gradient_variables + self._sums.scalar_variables,
                 "statistics": model.non_trainable_weights}
 
     def _per_replica(self, batch: Batch) -> tf.distribute.DistributedValues:
@@ -152,16 +144,8 @@ class StrategyStep:
                                self._micro_step.read_value(), replica)
             self._micro_step.assign_add(1)
             shard = (*shard, None, seeds)  # no copy of the weights
-        result = self._tower(*shard)
-        for grad_sum, grad in zip(self._grad_sums, result.gradients, strict=True):
-            grad_sum.assign_add(grad)
-        self._loss_sum.assign_add(result.loss_sum)
-        self._weight_sum.assign_add(result.weight_sum)
-        if self._batch_loss_sum is not None:
-            for grad_sum, grad in zip(self._batch_grad_sums, result.batch_gradients, strict=True):
-                grad_sum.assign_add(grad)
-            self._batch_loss_sum.assign_add(result.batch_loss)
-        return tf.identity(self._loss_sum.read_value())
+        self._sums.add(self._tower(*shard))
+        return tf.identity(self._sums.loss.read_value())
 
     def _finish(self, features: tf.Tensor, labels: tf.Tensor,
                 weights: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
@@ -172,7 +156,7 @@ class StrategyStep:
         scalars = self._strategy.run(self._replica_scalars)
         # Under CentralStorageStrategy the sums are already shared: each replica holds 1/N of them.
         share = tf.constant([self._accumulated_share, self._accumulated_share, 1.0]
-                            + [self._accumulated_share] * (self._batch_loss_sum is not None))
+                            + [self._accumulated_share] * (self._sums.batch_loss is not None))
         # Where the first copy of the weights lives: computed on the host instead, the
         # regularization would bring the weights it reads there (3.8 MB per update for cifar10_cnn).
         with tf.device(self._strategy.extended.parameter_devices[0]):
@@ -180,13 +164,14 @@ class StrategyStep:
         return self._strategy.reduce(tf.distribute.ReduceOp.SUM, scalars, axis=None) * share, regularization
 
     def _replica_scalars(self) -> tf.Tensor:
-        values = [self._loss_sum.read_value()] + [s.read_value() for s in self._grad_sums + self._batch_grad_sums]
+        sums = self._sums
+        values = [sums.loss.read_value()] + [s.read_value() for s in sums.gradient_variables]
         batch_loss = []
-        if self._batch_loss_sum is not None:
-            batch_loss = [self._batch_loss_sum.read_value() * self._replica_share]
+        if sums.batch_loss is not None:
+            batch_loss = [sums.batch_loss.read_value() * self._replica_share]
         nonfinite = tf.add_n([tf.reduce_sum(tf.cast(~tf.math.is_finite(v), tf.float32))
                               for v in values + batch_loss])
-        return tf.stack([self._loss_sum.read_value(), self._weight_sum.read_value(), nonfinite] + batch_loss)
+        return tf.stack([sums.loss.read_value(), sums.weight.read_value(), nonfinite] + batch_loss)
 
     def _apply(self, count_over_weight: tf.Tensor) -> None:
         self._strategy.run(self._apply_replica, args=(count_over_weight,))
@@ -197,10 +182,10 @@ class StrategyStep:
         if self._rule.loss_scale is not None:  # float16: the sums hold S x gradients
             scale = scale / self._rule.loss_scale.value.read_value()
             batch_scale = batch_scale / self._rule.loss_scale.value.read_value()
-        gradients = [s.read_value() * scale for s in self._grad_sums]
-        if self._batch_grad_sums:
+        gradients = [s.read_value() * scale for s in self._sums.gradients]
+        if self._sums.batch_gradients:
             gradients = [g + s.read_value() * batch_scale
-                         for g, s in zip(gradients, self._batch_grad_sums, strict=True)]
+                         for g, s in zip(gradients, self._sums.batch_gradients, strict=True)]
         context = tf.distribute.get_replica_context()
         replicas = self._strategy.num_replicas_in_sync
         statistics = self._statistics.live
@@ -210,8 +195,9 @@ class StrategyStep:
         reduced = context.all_reduce(tf.distribute.ReduceOp.SUM,
                                      gradients + [v.read_value() / replicas for v in statistics])
         _, regularization_grads = regularization_gradients(self._rule.model)
-        mean_grads = [g + r for g, r in zip(reduced[:len(self._grad_sums)], regularization_grads, strict=True)]
-        for statistic, mean in zip(statistics, reduced[len(self._grad_sums):], strict=True):
+        variables = len(gradients)
+        mean_grads = [g + r for g, r in zip(reduced[:variables], regularization_grads, strict=True)]
+        for statistic, mean in zip(statistics, reduced[variables:], strict=True):
             statistic.assign(mean)
         clipped = self._rule.clip(mean_grads)  # identical on every replica, so no reduction
         # Applied in cross-replica context, where Keras does not reduce the gradients again:
@@ -229,9 +215,6 @@ class StrategyStep:
         self._clear()
 
     def _clear(self) -> None:
-        for grad_sum in self._grad_sums + self._batch_grad_sums:
-            grad_sum.assign(tf.zeros_like(grad_sum))
-        for scalar_sum in [self._loss_sum, self._weight_sum] + ([self._batch_loss_sum] if self._batch_loss_sum is not None else []):
-            scalar_sum.assign(tf.zeros_like(scalar_sum))
+        self._sums.clear()
         if self._generator_states is not None:
             self._micro_step.assign(tf.zeros_like(self._micro_step))

@@ -67,6 +67,7 @@ from tower_train.towers import (TowerResult, combine_gradients, labels_per_shard
                                 read_in_compute_dtype, regularization_gradients, run_on_towers,
                                 seed_generator_states, split_batch, tower_function)
 from tower_train.update_rule import TrainingStatistics, UpdateRule
+from tower_train.update_sums import UpdateSums
 
 
 class TowerStep:
@@ -99,24 +100,12 @@ class TowerStep:
             self._statistics = TrainingStatistics(model)
             if self._generator_states is not None:
                 self._micro_step = tf.Variable(0, dtype=tf.int64, trainable=False, name="micro_step")
-        # Per tower, on its device: the gradient sum, sum(w * loss) and sum(w); for a model that adds
-        # losses of the batch, also their sum and its gradient sum.
-        self._grad_sums: list[list[tf.Variable]] = []
-        self._loss_sums: list[tf.Variable] = []
-        self._weight_sums: list[tf.Variable] = []
-        self._batch_grad_sums: list[list[tf.Variable]] = []
-        self._batch_loss_sums: list[tf.Variable] = []
+        # Per tower, on its device, at K > 1: its sums of the update so far.
+        self._sums: list[UpdateSums] = []
         if accum > 1:
             for i, device in enumerate(self._devices):
                 with tf.device(device):
-                    self._grad_sums.append(_zeros_like(model.trainable_variables, f"tower_{i}_grad_sum"))
-                    self._loss_sums.append(tf.Variable(0.0, trainable=False, name=f"tower_{i}_loss_sum"))
-                    self._weight_sums.append(tf.Variable(0.0, trainable=False, name=f"tower_{i}_weight_sum"))
-                    if model.adds_batch_losses:
-                        self._batch_grad_sums.append(
-                            _zeros_like(model.trainable_variables, f"tower_{i}_batch_grad_sum"))
-                        self._batch_loss_sums.append(
-                            tf.Variable(0.0, trainable=False, name=f"tower_{i}_batch_loss_sum"))
+                    self._sums.append(UpdateSums(model, prefix=f"tower_{i}_"))
         # Per tower, on its device: a copy of the trainable weights, or None to read them from the
         # parameter device. Not state: a TowerStep is not checkpointed, and each update refreshes them.
         copied = tower_weights == "per_update" and accum > 1
@@ -157,8 +146,9 @@ class TowerStep:
     def variable_roles(self) -> Mapping[str, Sequence]:
         model = self._rule.model
         copies = [c for tower in self._weight_copies if tower is not None for c in tower]
-        sums = ([v for tower in self._grad_sums + self._batch_grad_sums for v in tower]
-                + self._loss_sums + self._weight_sums + self._batch_loss_sums)
+        # Every tower's gradient sums, then its loss sums, then its weight sums (and batch losses').
+        sums = ([v for tower in self._sums for v in tower.gradient_variables]
+                + [v for scalars in zip(*(tower.scalar_variables for tower in self._sums)) for v in scalars])
         return {"weights": model.trainable_variables + copies, "gradients": sums,
                 "statistics": model.non_trainable_weights}
 
@@ -198,30 +188,10 @@ class TowerStep:
 
     def _accumulate(self, features: tf.Tensor, labels: tf.Tensor, weights: tf.Tensor) -> None:
         """A micro-step that does not update: a global micro-batch [N*b, ...] -> nothing."""
-        for i, (device, result) in enumerate(zip(self._devices, self._towers((features, labels, weights)),
-                                                 strict=True)):
+        for device, sums, result in zip(self._devices, self._sums, self._towers((features, labels, weights)),
+                                        strict=True):
             with tf.device(device):
-                for grad_sum, grad in zip(self._grad_sums[i], result.gradients, strict=True):
-                    grad_sum.assign_add(grad)
-                self._loss_sums[i].assign_add(result.loss_sum)
-                self._weight_sums[i].assign_add(result.weight_sum)
-                if self._batch_grad_sums:
-                    for grad_sum, grad in zip(self._batch_grad_sums[i], result.batch_gradients, strict=True):
-                        grad_sum.assign_add(grad)
-                    self._batch_loss_sums[i].assign_add(result.batch_loss)
-
-    def _with_accumulated(self, i: int, result: TowerResult) -> TowerResult:
-        """Tower i's last micro-step plus its sums of the update's earlier ones (on its device)."""
-        if not self._grad_sums:  # K = 1
-            return result
-        batch_loss, batch_grads = result.batch_loss, result.batch_gradients
-        if self._batch_grad_sums:
-            batch_loss = self._batch_loss_sums[i].read_value() + batch_loss
-            batch_grads = [s.read_value() + g for s, g in zip(self._batch_grad_sums[i], batch_grads, strict=True)]
-        return TowerResult(self._loss_sums[i].read_value() + result.loss_sum,
-                           self._weight_sums[i].read_value() + result.weight_sum,
-                           [s.read_value() + g for s, g in zip(self._grad_sums[i], result.gradients, strict=True)],
-                           batch_loss, batch_grads)
+                sums.add(result)
 
     def _update(self, features: tf.Tensor, labels: tf.Tensor,
                 weights: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
@@ -230,8 +200,8 @@ class TowerStep:
         results = []
         for i, (device, result) in enumerate(zip(self._devices, self._towers((features, labels, weights)),
                                                  strict=True)):
-            with tf.device(device):
-                results.append(self._with_accumulated(i, result))
+            with tf.device(device):  # the update's earlier micro-steps too (none at K = 1)
+                results.append(self._sums[i].plus(result) if self._sums else result)
         counts = labels_per_shard(labels.shape, self._shard_sizes)
         with tf.device(self._param_device):
             total_weight = tf.add_n([result.weight_sum for result in results])
@@ -279,20 +249,11 @@ class TowerStep:
                 return tf.constant(False)
 
             applied = tf.cond(tf.logical_and(finite, total_weight > 0), apply, refuse)
-        # No accumulators at K = 1: the loop then does nothing.
-        for i, device in enumerate(self._devices[:len(self._grad_sums)]):
+        for device, sums in zip(self._devices, self._sums):  # none at K = 1
             with tf.device(device):
-                for grad_sum in self._grad_sums[i] + (self._batch_grad_sums[i] if self._batch_grad_sums else []):
-                    grad_sum.assign(tf.zeros_like(grad_sum))
-                for scalar_sum in [self._loss_sums[i], self._weight_sums[i]] + self._batch_loss_sums[i:i + 1]:
-                    scalar_sum.assign(0.0)
+                sums.clear()
         if self._generator_states is not None:
             with tf.device(self._param_device):
                 self._micro_step.assign(0)
         return mean_loss, total_weight, applied
 
-
-def _zeros_like(variables: Sequence[tf.Variable], name: str) -> list[tf.Variable]:
-    """An accumulator per variable, zeros of its shape and dtype, on the current device."""
-    return [tf.Variable(tf.zeros(v.shape, v.dtype), trainable=False, name=f"{name}_{j}")
-            for j, v in enumerate(variables)]
