@@ -37,6 +37,16 @@ def make_config(options: dict) -> TrainConfig:
     return TrainConfig(**options)
 
 
+def config_and_objects(model: object, data: object, options: dict) -> tuple[TrainConfig, object, object]:
+    """The config of `options`, with `model` or `data` in it when they name a registered model or
+    data set (then None is returned in their place), and the objects given otherwise."""
+    if isinstance(model, str):
+        options["model"], model = model, None
+    if isinstance(data, str):
+        options["dataset"], data = data, None
+    return make_config(options), model, data
+
+
 def create_devices(**options) -> None:
     """Creates the logical devices that `fit` with these options trains on, now.
 
@@ -178,11 +188,7 @@ def fit(model: object = None, data: object = None, *, num_classes: int | None = 
       TrainingError: training cannot go on (a non-finite update under --nonfinite=stop, a lost
       peer). Stopped: a stop signal, after saving.
     """
-    if isinstance(model, str):
-        options["model"], model = model, None
-    if isinstance(data, str):
-        options["dataset"], data = data, None
-    config = make_config(options)
+    config, model, data = config_and_objects(model, data, options)
     if callbacks is not None:
         from tower_train.callbacks import check_callbacks
 

@@ -26,7 +26,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from tower_train import flags as tt_flags
-from tower_train.api import check_data, make_config, prepare_devices
+from tower_train.api import check_data, config_and_objects, prepare_devices
 from tower_train.cli import command, load_tensorflow, parse_config
 
 if TYPE_CHECKING:  # TensorFlow loads only once the flags are checked
@@ -63,11 +63,7 @@ def evaluate_checkpoint(model: object = None, data: object = None, *, checkpoint
 
     from tower_train import checkpoints
 
-    if isinstance(model, str):
-        options["model"], model = model, None
-    if isinstance(data, str):
-        options["dataset"], data = data, None
-    config = make_config(options)
+    config, model, data = config_and_objects(model, data, options)
     if metrics is not None:
         from tower_train.evaluation import check_metrics
 

@@ -36,7 +36,7 @@ def define_benchmark_flags() -> dict[str, flags.FlagHolder]:
         "configs": flags.DEFINE_list(
             "configs", [],
             "What to run, as KIND_kK[_bB][_sA-B...][_permicro][_data|_tfrecord|_dataset] (see "
-            "tower_train/benchmark.py); "
+            "tower_train/benchmark/__init__.py); "
             "default: the "
             "suite for --measure."),
         "measure": flags.DEFINE_string(

@@ -1,0 +1,321 @@
+"""What one benchmark configuration runs: a fresh model and optimizer training as its name says,
+fed from memory or from an input pipeline, by the trainer's own inner step, a plain
+GradientTape step, or Keras's own fit."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import TYPE_CHECKING, Callable
+
+from tower_train.benchmark.names import BenchConfig
+from tower_train.config import TrainConfig
+
+if TYPE_CHECKING:
+    from tower_train.devices import DevicePlan
+    from tower_train.traffic import Traffic
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """`run(n)` applies n updates and returns the seconds they took; each consumes `global_batch`
+    examples of `labels_per_example` labels (tokens, for a sequence model). `traffic()` counts
+    the bytes one update moves across devices (tracing its functions if they were not); None
+    for the kinds that run on one device; `state_bytes()` the bytes of variables, optimizer slots,
+    moving averages and accumulators each device holds, None for them too. `read_input(n)` reads n updates' batches from the same
+    training stream and nothing else, returning the seconds; None for a batch held in memory."""
+
+    run: Callable[[int], float]
+    global_batch: int
+    labels_per_example: int
+    traffic: Callable[[], Traffic] | None
+    state_bytes: Callable[[], dict[str, int]] | None
+    read_input: Callable[[int], float] | None
+
+
+def build_workload(bench: BenchConfig, config: TrainConfig, plan: DevicePlan,
+                   slow_tower_ms: float = 0.0) -> Workload:
+    """A fresh model and optimizer (seeded by --seed) training as `bench` says; in tower mode,
+    tower 0 waits `slow_tower_ms` per example of its shard (`slowed_first_tower`)."""
+    import numpy as np
+    import tensorflow as tf
+
+    from tower_train import datasets
+    from tower_train.devices import parameter_device
+    from tower_train.model_spec import resolve_model
+    from tower_train.trainer import TrainState, build_state
+
+    config = dataclasses.replace(config, batch_size=bench.batch_size, accum=bench.accum,
+                                 tower_split=bench.tower_split)
+    if bench.kind.startswith("tower_ps"):  # the kind, not --ps_device, says where the variables live
+        ps_device = bench.kind.removeprefix("tower_ps")
+        tower_weights = "per_micro_step" if bench.weights_per_micro_step else config.tower_weights
+        config = dataclasses.replace(config, mode="tower", all_reduce="auto", ps_device=ps_device,
+                                     tower_weights=tower_weights)
+        plan = dataclasses.replace(plan, param_device=parameter_device(ps_device, plan.tower_devices))
+    elif bench.kind in ("mirrored", "central_storage"):
+        # Tower-only options the run's flags may set apply to the tower kinds alone.
+        config = dataclasses.replace(config, mode=bench.kind, all_reduce="auto", tower_weights="per_update",
+                                     transfer_precision="fp32")
+    micro = bench.batch_size * len(plan.tower_devices)
+    source = datasets.load_source(config.dataset, config.data_dir, config.augment)
+    spec = resolve_model(None, config, None, source.num_classes)
+    if bench.input == "tfrecord":
+        source = _records_of(source)
+    elif bench.input == "dataset":
+        source = _pipeline_of(source, config.seed)
+    if bench.input != "memory":
+        dataset = source.train_stream(seed=config.seed, start_position=0, micro_batch=micro)
+    else:
+        example = source.example_input()
+        rng = np.random.default_rng(config.seed)
+        shape = (micro, *example.shape[1:])
+        with tf.device("/cpu:0"):  # token ids for a model of integer inputs, else normal values
+            features = tf.constant(rng.integers(0, source.num_classes, shape) if example.dtype.is_integer
+                                   else rng.normal(size=shape), example.dtype)
+            labels = tf.constant(rng.integers(0, source.num_classes, (micro, *source.label_spec.shape)),
+                                 source.label_spec.dtype)
+            weights = tf.ones(labels.shape, tf.float32)
+        dataset = tf.data.Dataset.from_tensors((features, labels, weights)).repeat()
+    builder = {"plain": _plain, "keras_fit": _keras_fit}.get(
+        bench.kind, functools.partial(_mode, slow_tower_ms=slow_tower_ms))
+    built = []  # the state the builder makes: what each device holds is read from it
+
+    def new_state(scope) -> TrainState:
+        built.append(build_state(config, spec, source, scope))
+        return built[-1]
+
+    run, inner = builder(config, plan, dataset, new_state, source.train_size)
+    batch_spec = tuple(tf.TensorSpec([micro, *s.shape[1:]], s.dtype) for s in dataset.element_spec)
+
+    def traffic() -> Traffic:
+        from tower_train.devices import HOST_DEVICE
+        from tower_train.traffic import count_traffic
+
+        # The batches come from the host (a tf.data pipeline, or a batch held there).
+        return count_traffic(inner.traced_update(batch_spec), inner.variable_roles(), HOST_DEVICE)
+
+    def state_bytes() -> dict[str, int]:
+        from tower_train.traffic import state_bytes_per_device
+
+        state = built[0]
+        loss_scale = state.loss_scale
+        return state_bytes_per_device([
+            *state.model.variables, *state.optimizer.variables, state.step, state.examples_seen,
+            *(state.moving_average.averages if state.moving_average else ()),
+            *((loss_scale.value, loss_scale.good_updates) if loss_scale else ()),
+            *(v for variables in inner.variable_roles().values() for v in variables)])
+
+    return Workload(run, micro * bench.accum, source.label_spec.shape.num_elements(),
+                    None if inner is None else traffic, None if inner is None else state_bytes,
+                    None if bench.input == "memory" else _input_reader(dataset, bench.accum))
+
+
+def _input_reader(dataset, accum: int) -> Callable[[int], float]:
+    """`read(n)`: the seconds that reading n updates' micro-batches from a second iterator of
+    `dataset` takes, with no training beside it."""
+    batches = None
+
+    def read(updates: int) -> float:
+        nonlocal batches
+        start = time.perf_counter()
+        batches = batches or iter(dataset)  # made on first use: its prefetching would compete
+        for _ in range(updates * accum):
+            next(batches)
+        return time.perf_counter() - start
+
+    return read
+
+
+@functools.cache
+def _records_of(source):
+    """The training examples of an ArraySource written to TFRecord files (once per process, in a
+    temporary directory removed at exit), streamed back by a TFRecordSource with the same
+    preprocessing: images as raw bytes, so parsing is a decode_raw."""
+    import atexit
+    import shutil
+    import tempfile
+
+    import numpy as np
+    import tensorflow as tf
+
+    from tower_train.tfrecord_source import TFRecordSource, write_examples
+
+    directory = tempfile.mkdtemp(prefix="tower_train_benchmark_records.")
+    atexit.register(shutil.rmtree, directory, ignore_errors=True)
+    files = 8  # several files, as a real data set has
+    for i, rows in enumerate(np.array_split(np.arange(source.train_size), files)):
+        write_examples(f"{directory}/train-{i}.tfrecord",
+                       {"features": [source.train_features[r].tobytes() for r in rows],
+                        "labels": source.train_labels[rows]})
+    shape, dtype = source.feature_spec.shape, source.feature_spec.dtype
+
+    def parse(example):
+        features = tf.reshape(tf.io.decode_raw(example["features"], dtype), shape)
+        return features, tf.cast(example["labels"], tf.int32)
+
+    return TFRecordSource(
+        f"{directory}/train-*.tfrecord", features={
+            "features": tf.io.FixedLenFeature([], tf.string),
+            "labels": tf.io.FixedLenFeature(source.label_spec.shape, tf.int64)},
+        parse=parse, feature_spec=source.feature_spec, label_spec=source.label_spec,
+        num_classes=source.num_classes, train_size=source.train_size, preprocess=source.preprocess,
+        name=f"{source.name} as TFRecord files")
+
+
+def _pipeline_of(source, seed: int):
+    """The training examples of an ArraySource as a DatasetSource: from_tensor_slices of its arrays
+    through a shuffle buffer of 10,000 (a TFRecordSource's default) seeded by `seed`, with the same
+    preprocessing."""
+    import tensorflow as tf
+
+    from tower_train.dataset_source import DatasetSource
+
+    def train() -> tf.data.Dataset:
+        examples = tf.data.Dataset.from_tensor_slices((source.train_features, source.train_labels))
+        return examples.shuffle(10_000, seed=seed)
+
+    return DatasetSource(train=train, num_classes=source.num_classes, preprocess=source.preprocess,
+                         name=f"{source.name} as a tf.data pipeline")
+
+
+def slowed_first_tower(state, config: TrainConfig, ms_per_example: float):
+    """Tower mode's tower function, but tower 0 (the one under run_on_towers' name scope
+    "tower_0") also waits `ms_per_example` milliseconds per example of its shard, in a sleep
+    that holds no core: a device slower than the others, as an older GPU beside newer ones."""
+    import tensorflow as tf
+
+    from tower_train.towers import tower_function
+
+    tower = tower_function(state.model, state.loss_scale, config.jit_compile)
+
+    def wait(seconds: tf.Tensor) -> tf.Tensor:
+        time.sleep(float(seconds))
+        return seconds
+
+    def slowed(features, labels, weights, *copies_and_seeds):
+        result = tower(features, labels, weights, *copies_and_seeds)
+        if "tower_0" not in tf.get_current_name_scope().split("/"):
+            return result
+        delay = tf.cast(tf.shape(labels)[0], tf.float32) * (ms_per_example / 1000.0)
+        with tf.control_dependencies([tf.py_function(wait, [delay], tf.float32)]):
+            return tf.nest.map_structure(lambda t: t if t is None else tf.identity(t), result)
+
+    return slowed
+
+
+def _mode(config: TrainConfig, plan: DevicePlan, dataset, new_state: Callable,
+          train_examples: int | None, slow_tower_ms: float = 0.0) -> tuple[Callable[[int], float], object]:
+    """tower_pscpu, tower_psgpu, mirrored, central_storage: the trainer's own inner step, which
+    is returned too."""
+    from tower_train.modes import build_mode
+
+    mode = build_mode(config, plan)
+    state = new_state(mode.variable_scope())
+    slow = slow_tower_ms > 0 and config.mode == "tower"
+    inner = mode.inner_step(state, config, slowed_first_tower(state, config, slow_tower_ms) if slow else None)
+    batches = iter(dataset)
+
+    def run(updates: int) -> float:
+        start = time.perf_counter()
+        for _ in range(updates):
+            inner.run_update(batches)  # its result is read: waits for the update
+        return time.perf_counter() - start
+
+    return run, inner
+
+
+def _plain(config: TrainConfig, plan: DevicePlan, dataset, new_state: Callable,
+           train_examples: int | None) -> tuple[Callable[[int], float], None]:
+    """One GradientTape step on the parameter device over all G examples, with the same
+    update-boundary work (regularization, clip, apply, count, average) as the towers'."""
+    import tensorflow as tf
+
+    from tower_train.towers import regularization_gradients, tower_loss_and_gradients
+
+    state = new_state(tf.device(plan.param_device))
+    rule = state.update_rule(config.clip_norm)
+    whole_batches = iter(dataset.batch(config.accum).map(
+        lambda *parts: tuple(tf.reshape(p, [-1, *p.shape[2:]]) for p in parts)))
+
+    @tf.function(jit_compile=config.jit_compile)
+    def plain_step(features: tf.Tensor, labels: tf.Tensor, weights: tf.Tensor) -> tf.Tensor:
+        with tf.device(plan.param_device):
+            result = tower_loss_and_gradients(state.model, features, labels, weights)
+            regularization, regularization_grads = regularization_gradients(state.model)
+            # The tower's gradient is of sum(w * loss) / (labels): rescaled to / sum(w). One shard
+            # of all G examples: the batch losses count as they are.
+            scale = tf.cast(tf.size(weights), tf.float32) / result.weight_sum
+            grads = [g * scale + r for g, r in zip(result.gradients, regularization_grads)]
+            if result.batch_gradients is not None:
+                grads = [g + b for g, b in zip(grads, result.batch_gradients)]
+            rule.apply(rule.clip(grads))
+            return result.loss_sum / result.weight_sum + regularization + result.batch_loss
+
+    def run(updates: int) -> float:
+        start = time.perf_counter()
+        for _ in range(updates):
+            float(plain_step(*next(whole_batches)))
+        return time.perf_counter() - start
+
+    return run, None
+
+
+def _keras_fit(config: TrainConfig, plan: DevicePlan, dataset, new_state: Callable,
+               train_examples: int | None) -> tuple[Callable[[int], float], None]:
+    """What a user would pick instead: Keras's own train step and gradient accumulation, on
+    the same network, loss, optimizer and schedule, fed the micro-batch of all towers."""
+    import keras
+    import tensorflow as tf
+
+    from tower_train.trainer import make_optimizer
+
+    state = new_state(tf.device(plan.param_device))
+    net = state.model
+
+    class FitModel(keras.Model):
+        """The network behind Keras's train step, with tower-train's loss: the weighted mean of the
+        per-label losses (the data's weights arrive as Keras's sample_weight) + regularization."""
+
+        def __init__(self):
+            super().__init__()
+            self.net = net
+
+        def call(self, images, training=False):
+            return self.net(images, training=training)
+
+        def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+            losses = tf.cast(self.net.per_example_loss(y, y_pred), tf.float32)
+            weighted = tf.reduce_sum(losses * sample_weight) / tf.reduce_sum(sample_weight)
+            return weighted + self.net.regularization()
+
+    optimizer = make_optimizer(config, config.global_batch, train_examples)
+    if config.accum > 1:  # Keras takes None, not 1, for no accumulation
+        optimizer.gradient_accumulation_steps = config.accum
+    class BatchClock(keras.callbacks.Callback):
+        """Seconds from the start of fit's first batch to the end of its last, so fit's own
+        set-up (iterator, callbacks) is not charged to the updates."""
+
+        seconds = 0.0
+
+        def on_train_begin(self, logs=None):
+            self.start = None
+
+        def on_train_batch_begin(self, batch, logs=None):
+            if self.start is None:
+                self.start = time.perf_counter()
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.seconds = time.perf_counter() - self.start
+
+    model = FitModel()
+    model.compile(optimizer=optimizer, jit_compile=config.jit_compile)
+    clock = BatchClock()
+
+    def run(updates: int) -> float:
+        with tf.device(plan.param_device):
+            model.fit(dataset, epochs=1, steps_per_epoch=updates * config.accum, verbose=0, shuffle=False,
+                      callbacks=[clock])
+        return clock.seconds
+
+    return run, None
