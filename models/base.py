@@ -198,18 +198,14 @@ class TowerModel(keras.Model):
         """The scalar losses the last call added through Keras (`add_loss`, a layer's
         activity_regularizer, in this model or a nested layer), read in that call's scope; not the
         weight regularizers' penalties (`update_regularization`). Each is taken as a mean over the
-        call's examples, as Keras divides an activity regularizer by the batch size."""
-        losses = self.losses  # the call's losses, then one penalty per weight regularizer
-        return losses[:len(losses) - self.weight_regularizers()]
+        call's examples, as Keras (3.14 on) divides an activity regularizer by the batch size."""
+        # Not self.losses: it would also compute the weight regularizers' penalties, which inside a
+        # stateless scope that does not map those weights (using(seeds=...) alone) cannot be read.
+        return [loss for layer in self._flatten_layers() for loss in layer._get_own_losses()]
 
     def batch_loss(self) -> tf.Tensor:
         """The sum of `batch_losses()`, float32 (0 without any)."""
         return tf.add_n([tf.constant(0.0)] + [tf.cast(loss, tf.float32) for loss in self.batch_losses()])
-
-    def weight_regularizers(self) -> int:
-        """How many of the trainable variables carry a Keras weight regularizer."""
-        return sum(getattr(variable, "regularizer", None) is not None
-                   for variable in self.trainable_weights)
 
 
 def _write_moved(variables: Sequence[keras.Variable], scope: keras.StatelessScope) -> None:

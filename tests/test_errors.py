@@ -10,7 +10,7 @@ import pytest
 import tensorflow as tf
 
 import tower_train
-from tower_train.errors import TrainingError, op_error_text
+from tower_train.errors import TrainingError, UsageError, op_error_text, traced_message
 
 NUM_CLASSES = 5
 FEATURES = np.arange(40 * 3, dtype=np.float32).reshape(40, 3)
@@ -84,3 +84,10 @@ def test_only_noise_is_cut_and_a_long_line_at_a_space():
     assert cut.endswith(" ...") and len(cut) <= 104
     assert all(re.fullmatch(r"word\d+", word) for word in cut[:-4].split()), cut  # no word cut
     assert op_error_text(ValueError("")) == "ValueError"
+
+
+def test_traced_message_is_the_errors_own_line_without_the_stack_tf_function_adds():
+    traced = UsageError('in user code:\n\n    File "towers.py", line 105, in tower  *\n'
+                        '        raise UsageError(...)\n\n    UsageError: Net: the message\n')
+    assert traced_message(traced) == "Net: the message"
+    assert traced_message(UsageError("a line of its own")) == "a line of its own"

@@ -104,6 +104,30 @@ def test_an_activity_regularizer_counts_as_in_kerass_own_fit(tmp_path, mode, lay
     assert np.abs(expected[0] - without[0]).max() > 1e-2  # the regularizer shows
 
 
+def dropout_between_regularized_layers():
+    return keras.Sequential([keras.Input((FEATURES,)),
+                             keras.layers.Dense(8, activation="tanh", kernel_regularizer=keras.regularizers.L2(0.05),
+                                                activity_regularizer=keras.regularizers.L2(0.5)),
+                             keras.layers.Dropout(0.3), keras.layers.Dense(CLASSES)])
+
+
+def test_dropout_beside_weight_and_activity_regularizers_trains_alike_in_tower_and_mirrored_mode(tmp_path):
+    """The towers' passes with Dropout's seeds (and, in tower mode, no copy of the weights at K = 1)
+    read the weight penalties and collect the activity losses: each mode's update is the same."""
+    keras.utils.set_random_seed(4)
+    initial = dropout_between_regularized_layers().get_weights()
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    trained = {}
+    for mode, layout in (("tower", (2, 6, 2)), ("mirrored", (2, 6, 2)), ("tower", (2, 12, 1))):
+        model = with_weights(dropout_between_regularized_layers, initial)
+        result = tower_fit(model, loss, tmp_path / f"{mode}{layout[2]}", mode, layout)
+        assert result.step == UPDATES and np.isfinite(result.loss)
+        trained[mode, layout[2]] = model.get_weights()
+    for got, want in zip(trained["mirrored", 2], trained["tower", 2], strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    assert np.abs(trained["tower", 1][0] - initial[0]).max() > 1e-2  # it trained at K = 1 too
+
+
 def test_a_subclassed_instance_is_cloned_and_trains_to_the_weights_of_kerass_own_fit(tmp_path):
     keras.utils.set_random_seed(3)
     initial = built_subclassed().get_weights()

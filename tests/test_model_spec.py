@@ -1,6 +1,8 @@
 """What `model_spec` makes of a model beyond its shapes: Keras weight regularizers count once per
 update, and the losses a call adds through Keras (activity regularizers, add_loss) as their mean over
 the update's examples, as Keras's own loss on the one big batch counts them, in every layout."""
+import os
+
 import keras
 import numpy as np
 import pytest
@@ -108,3 +110,39 @@ def test_losses_a_call_adds_count_as_their_mean_over_the_updates_examples(mode, 
     in_loss, in_weights = one_update_equals_the_reference(ActivityTagger, token_source(), mode, layout, split,
                                                           big_batch_step_with_batch_losses)
     assert in_loss > 0.1 and max(in_weights) > 1e-2
+
+
+ADD_LOSS_NOW = [False]
+
+
+class LateLoss(tower_train.TowerModel):
+    """Adds a loss of the batch only once ADD_LOSS_NOW says so: after its start-up trace."""
+
+    def __init__(self, num_classes: int = CLASSES, **kwargs):
+        super().__init__(num_classes, **kwargs)
+        self.flatten = keras.layers.Flatten()
+        self.logits = keras.layers.Dense(num_classes)
+
+    def call(self, series, training=False):
+        logits = self.logits(self.flatten(series))
+        if training and ADD_LOSS_NOW[0]:
+            self.add_loss(tf.reduce_mean(logits ** 2))
+        return logits
+
+
+class AddLossFromNowOn(keras.callbacks.Callback):
+    def on_train_begin(self, logs=None):
+        ADD_LOSS_NOW[0] = True
+
+
+def test_a_loss_of_the_batch_first_added_after_the_start_up_trace_is_one_line_not_left_out(tmp_path):
+    try:
+        with pytest.raises(tower_train.UsageError) as error:
+            tower_train.fit(model=LateLoss, data=series_source(), num_gpus=2, batch_size=4, accum=2,
+                            max_steps=2, callbacks=[AddLossFromNowOn()], train_dir=tmp_path / "run")
+    finally:
+        ADD_LOSS_NOW[0] = False
+    assert str(error.value) == ("LateLoss: a training call added losses through Keras (add_loss, "
+                                "activity_regularizer) that its start-up trace did not; add them in "
+                                "every training call")
+    assert not any(name.startswith("ckpt-") for name in os.listdir(tmp_path / "run"))

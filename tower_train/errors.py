@@ -39,6 +39,17 @@ def first_line(error: BaseException, limit: int = 300) -> str:
     return text.splitlines()[0][:limit] if text else type(error).__name__
 
 
+def traced_message(error: BaseException) -> str:
+    """An error's own message without the "in user code:" stack that tf.function writes before
+    the message of an error raised while it traces: its last line, less the "<Type>: " there."""
+    text = str(error).strip()
+    if not text.startswith("in user code:"):
+        return text
+    last = text.splitlines()[-1].strip()
+    prefix = f"{type(error).__name__}: "
+    return last.removeprefix(prefix)
+
+
 # TensorFlow's wrapping of an op's own message: the function and node it ran in, the op that
 # raised it, tf.data's "user-defined function" preamble. Removed wherever it stands in a line.
 _OP_NOISE = re.compile(r"\{\{function_node [^}]*\}\}|\{\{node [^}]*\}\}|\[Op:[^\]]*\]( name: \S*)?|"

@@ -10,7 +10,8 @@ below). As in tower mode, an update of K micro-steps is K - 1 calls of
   local to it (`synchronization=ON_READ`), so no all-reduce runs.
 - `finish`: every replica adds its last micro-step to its accumulators; then
   three scalars are summed across replicas (and workers): sum(w * loss),
-  sum(w) = W, and the count of non-finite values.
+  sum(w) = W, and the count of non-finite values (a fourth for a model that
+  adds losses of the batch: below).
 - then, from Python, `apply(W)` if W > 0 and every replica was finite, else
   `discard`. `apply`: every replica scales its local gradient sum by c / W
   (c = labels per shard; `towers` has the math), and one all-reduce per update

@@ -43,7 +43,7 @@ A model that adds losses of the batch through Keras (`add_loss`, activity
 regularizers) has a second gradient sum per tower, that of those losses,
 which the update folds into the first on the tower's device before it
 travels (`towers` has the math): more memory and a second backward pass, no
-more traffic.
+more gradient bytes (each tower waits for the update's total weight W).
 
 A model with randomness (Dropout) gets, in each tower's pass, the seeds
 `towers.pass_seeds` makes of (its generators' seeds, the step counter, the

@@ -42,6 +42,7 @@ from typing import Callable, NamedTuple, Sequence, TypeVar
 import numpy as np
 import tensorflow as tf
 
+from tower_train.errors import UsageError
 from tower_train.models.base import TowerModel
 from tower_train.update_rule import LossScale
 
@@ -100,6 +101,10 @@ def tower_loss_and_gradients(
             logits = model(features, training=True)
             losses = tf.cast(model.per_example_loss(labels, logits), tf.float32)
             batch_loss = model.batch_loss()
+            if model.batch_losses() and not model.adds_batch_losses:  # they would be left out
+                raise UsageError(f"{type(model).__name__}: a training call added losses through Keras "
+                                 "(add_loss, activity_regularizer) that its start-up trace did not; "
+                                 "add them in every training call")
         weighted_loss_sum = tf.reduce_sum(losses * weights)
         objective = weighted_loss_sum / tf.cast(tf.size(weights), tf.float32)
         batch_objective = batch_loss

@@ -28,7 +28,7 @@ from tower_train.callbacks import KerasCallbacks
 from tower_train.cluster import PeerClock, WorkerInfo
 from tower_train.config import TrainConfig
 from tower_train.data import RUN_OP_ERRORS, Source
-from tower_train.errors import Stopped, TrainingError, UsageError, op_error_text
+from tower_train.errors import Stopped, TrainingError, UsageError, op_error_text, traced_message
 from tower_train.evaluation import Evaluation, check_metrics_against, evaluate
 from tower_train.export import export_saved_model
 from tower_train.inner_step import Batch, InnerStep, UpdateResult
@@ -233,6 +233,8 @@ class Controller:
                 raise TrainingError(f"update {_value(self.state.step) + 1} failed: "
                                     f"{self.describe_error(e)}; the last good checkpoint is "
                                     f"{self.last_checkpoint or 'none'}") from None
+            except UsageError as e:  # a check of the update's first trace (towers.py)
+                raise UsageError(traced_message(e)) from None
             seconds = time.perf_counter() - start
             self.watchdog.progress()
             self.state.examples_seen.assign_add(self.global_batch)

@@ -3,8 +3,9 @@
 `UpdateSums` holds one tower's sums as variables: its gradient sum, sum(w * loss)
 and sum(w), and, for a model that adds losses of the batch (`towers` has the
 math), their sum and its gradient sum. Tower mode keeps one per tower on the
-tower's device; the strategy modes keep one whose variables are local to each
-replica. Either way a micro-step that does not update `add`s its tower pass, the
+tower's device (at K > 1); the strategy modes keep one whose variables are local
+to each replica (under CentralStorageStrategy, one sum on the parameter
+device). Either way a micro-step that does not update `add`s its tower pass, the
 update's last micro-step reads `plus` its pass, and the update ends with `clear`.
 """
 from __future__ import annotations
