@@ -200,7 +200,7 @@ def fit(model: object = None, data: object = None, *, num_classes: int | None = 
     check_directories(config)
     if isinstance(watchdog, cluster.PeerWatchdog):  # the CLI's: it read TF_CONFIG or Slurm's already
         worker = watchdog.worker
-    elif config.mode == "multi_worker":
+    elif config.mode_rules.workers:
         worker = cluster.this_worker(config.cluster)
     else:
         worker = cluster.SINGLE_PROCESS

@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
 def _train(argv: list[str]) -> int:
     config = parse_config(argv, USAGE)
     watchdog = None
-    if config.mode == "multi_worker":
+    if config.mode_rules.workers:
         worker = cluster.this_worker(config.cluster)
         watchdog = cluster.PeerWatchdog(worker, config.collective_timeout, PROG)  # before TF loads
     try:

@@ -35,7 +35,7 @@ from absl import flags, logging
 from tower_train import flags as tt_flags
 from tower_train.api import check_data, prepare_devices
 from tower_train.cli import command, load_tensorflow, parse_config
-from tower_train.config import TrainConfig, check_directories
+from tower_train.config import HAND_PLACED_MODE, MODE_RULES, ONE_PROCESS_MODES, TrainConfig, check_directories
 from tower_train.errors import UsageError
 from tower_train.stats import jitter
 
@@ -43,8 +43,8 @@ if TYPE_CHECKING:
     from tower_train.devices import DevicePlan
 
 TRAIN_DIR = "/tmp/tower_train_compare"  # apart from training runs' /tmp/tower_train
-COMPARABLE_MODES = ("tower", "mirrored", "central_storage")
-REFERENCE = "tower"  # the hand-placed classic pattern the strategies are checked against
+COMPARABLE_MODES = ONE_PROCESS_MODES
+REFERENCE = HAND_PLACED_MODE  # the classic pattern the strategies are checked against
 PLOT_NAME = "compare.png"
 
 
@@ -75,10 +75,10 @@ def check_modes(names: list[str]) -> list[str]:
     if not names:
         raise UsageError(f"--modes is empty: name one or more of {', '.join(COMPARABLE_MODES)}")
     for name in names:
-        if name == "multi_worker":
-            raise UsageError("--modes: multi_worker needs one process per worker and cannot be "
+        if name in MODE_RULES and MODE_RULES[name].workers:
+            raise UsageError(f"--modes: {name} needs one process per worker and cannot be "
                              "compared in one process; run two `python -m tower_train "
-                             "--mode=multi_worker` processes instead")
+                             f"--mode={name}` processes instead")
         if name not in COMPARABLE_MODES:
             raise UsageError(f"--modes: {name!r} is unknown; allowed: {', '.join(COMPARABLE_MODES)}")
     if len(set(names)) < len(names):
@@ -210,7 +210,7 @@ def _compare(argv: list[str]) -> int:
     own_flags = compare_flags()
     config = parse_config(argv, __doc__ or "", own_flags)
     modes = check_modes(own_flags["modes"].value)
-    if config.mode != "tower":  # (TrainConfig already allows only --all_reduce=auto with tower)
+    if config.mode != REFERENCE:  # (TrainConfig then allows only --all_reduce=auto)
         raise UsageError(f"--mode={config.mode}: not read here; list the modes in --modes")
     warmup = own_flags["warmup_updates"].value
     if warmup < 1:

@@ -17,21 +17,47 @@ import typing
 
 from tower_train.errors import UsageError
 
-MODES = ("tower", "mirrored", "multi_worker", "central_storage")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModeRules:
+    """What a --mode is and allows: every rule that depends on the mode, written once here
+    (modes.py builds each mode's strategy and inner step)."""
+
+    name: str
+    all_reduce: tuple[str, ...]  # the --all_reduce choices
+    # Towers placed by hand and the variables on the parameter device: the tower-only options
+    # (--tower_split, --tower_weights, --transfer_precision) are for it alone.
+    places_towers: bool = False
+    workers: bool = False  # one process per worker, which learns the cluster (--cluster)
+    mirrors_variables: bool = False  # a copy of the variables on every replica: no parameter device
+    replica_context: bool = False  # where --sync_bn can synchronize
+    # Whether the replicas' moves of non-trainable state (BN statistics, random generators) can
+    # be kept: CentralStorageStrategy cannot update it from its replicas.
+    keeps_replica_state: bool = True
+
+
+MODE_RULES = {rules.name: rules for rules in (
+    ModeRules("tower", ("auto",), places_towers=True),  # reduces on the parameter device, by hand
+    ModeRules("mirrored", ("auto", "nccl", "hierarchical_copy", "one_device"), mirrors_variables=True,
+              replica_context=True),
+    ModeRules("multi_worker", ("auto", "nccl", "ring"), workers=True, mirrors_variables=True,
+              replica_context=True),
+    # The strategy reduces to its parameter device.
+    ModeRules("central_storage", ("auto",), keeps_replica_state=False),
+)}
+MODES = tuple(MODE_RULES)
+HAND_PLACED_MODE = next(rules.name for rules in MODE_RULES.values() if rules.places_towers)
+WORKERS_MODE = next(rules.name for rules in MODE_RULES.values() if rules.workers)
+ONE_PROCESS_MODES = tuple(rules.name for rules in MODE_RULES.values() if not rules.workers)
+SYNC_BN_MODES = tuple(rules.name for rules in MODE_RULES.values() if rules.replica_context)
 CLUSTERS = ("tf_config", "slurm", "auto")  # where multi_worker's workers learn the cluster
-ALL_REDUCE_BY_MODE = {
-    "tower": ("auto",),  # tower mode reduces on the parameter device, by hand
-    "mirrored": ("auto", "nccl", "hierarchical_copy", "one_device"),
-    "multi_worker": ("auto", "nccl", "ring"),
-    "central_storage": ("auto",),  # the strategy reduces to its parameter device
-}
 PS_DEVICES = ("cpu", "gpu")
 TOWER_WEIGHTS = ("per_update", "per_micro_step")  # how often tower mode's towers fetch the weights
 OPTIMIZERS = ("sgd", "momentum", "adam")
 NONFINITE_POLICIES = ("stop", "skip")
 RUN_FILE = "tower_train_run.json"  # in a train_dir: what its checkpoints were trained with
 SCHEDULES = ("constant", "exponential", "cosine")  # of the learning rate; see tower_train.schedules
-SYNC_BN_MODES = ("mirrored", "multi_worker")  # the modes with a replica context to synchronize in
 PRECISIONS = ("fp32", "bf16", "fp16")  # compute dtype of the towers; variables stay float32
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # the dtype each precision names
 MAX_SEED = 2**32 - 1  # Keras's set_random_seed takes no larger seed
@@ -54,7 +80,7 @@ class TrainConfig:
     # NCCL on whole GPUs; else reduction to one device, or ring across workers.
     all_reduce: str = option(
         "auto", "Cross-device reduction of the strategy modes: "
-        + "; ".join(f"{m}: {' | '.join(c)}" for m, c in ALL_REDUCE_BY_MODE.items()) + ".")
+        + "; ".join(f"{m.name}: {' | '.join(m.all_reduce)}" for m in MODE_RULES.values()) + ".")
     # A peer's start-up takes seconds, and preempted machines take minutes to come back.
     collective_timeout: float = option(
         120.0, "multi_worker: seconds a worker waits on its peers without progress before it fails "
@@ -187,30 +213,30 @@ class TrainConfig:
     def __post_init__(self) -> None:
         self._check_types()
         _one_of("mode", self.mode, MODES)
-        if self.all_reduce not in ALL_REDUCE_BY_MODE[self.mode]:
+        if self.all_reduce not in self.mode_rules.all_reduce:
             raise UsageError(f"--all_reduce={self.all_reduce}: not for --mode={self.mode}; allowed: "
-                             f"{', '.join(ALL_REDUCE_BY_MODE[self.mode])}")
+                             f"{', '.join(self.mode_rules.all_reduce)}")
         if not MIN_COLLECTIVE_TIMEOUT <= self.collective_timeout < math.inf:
             raise UsageError(f"--collective_timeout={self.collective_timeout}: must be seconds >= "
                              f"{MIN_COLLECTIVE_TIMEOUT:g}")
         _one_of("cluster", self.cluster, CLUSTERS)
-        if self.cluster != "tf_config" and self.mode != "multi_worker":
-            raise UsageError(f"--cluster={self.cluster}: only with --mode=multi_worker, not "
+        if self.cluster != "tf_config" and not self.mode_rules.workers:
+            raise UsageError(f"--cluster={self.cluster}: only with --mode={WORKERS_MODE}, not "
                              f"--mode={self.mode}")
         if not (self.stop_grace_period > 0 and math.isfinite(self.stop_grace_period)):
             raise UsageError(f"--stop_grace_period={self.stop_grace_period}: must be seconds > 0")
         _one_of("ps_device", self.ps_device, PS_DEVICES)
         _one_of("tower_weights", self.tower_weights, TOWER_WEIGHTS)
-        if self.tower_weights != "per_update" and self.mode != "tower":
-            raise UsageError(f"--tower_weights={self.tower_weights}: only with --mode=tower (the "
+        if self.tower_weights != "per_update" and not self.mode_rules.places_towers:
+            raise UsageError(f"--tower_weights={self.tower_weights}: only with --mode={HAND_PLACED_MODE} (the "
                              f"strategies place the weights themselves), not --mode={self.mode}")
         _one_of("optimizer", self.optimizer, OPTIMIZERS)
         _one_of("nonfinite", self.nonfinite, NONFINITE_POLICIES)
         _one_of("lr_schedule", self.lr_schedule, SCHEDULES)
         _one_of("precision", self.precision, PRECISIONS)
         _one_of("transfer_precision", self.transfer_precision, PRECISIONS)
-        if self.transfer_precision != "fp32" and self.mode != "tower":
-            raise UsageError(f"--transfer_precision={self.transfer_precision}: only with --mode=tower "
+        if self.transfer_precision != "fp32" and not self.mode_rules.places_towers:
+            raise UsageError(f"--transfer_precision={self.transfer_precision}: only with --mode={HAND_PLACED_MODE} "
                              f"(a strategy's all-reduce would also sum in it), not --mode={self.mode}")
         if self.transfer_precision == "fp16" and self.precision != "fp16":
             raise UsageError(f"--transfer_precision=fp16: only with --precision=fp16, whose loss scale "
@@ -225,7 +251,7 @@ class TrainConfig:
         if self.deterministic and self.jit_compile:
             raise UsageError("--deterministic with --jit_compile: XLA has no deterministic form of "
                              "some gradients (MaxPool's); use one or the other")
-        if self.sync_bn and self.mode not in SYNC_BN_MODES:
+        if self.sync_bn and not self.mode_rules.replica_context:
             raise UsageError(f"--sync_bn: only with --mode={' or '.join(SYNC_BN_MODES)}, not "
                              f"--mode={self.mode} (tower mode normalizes each tower's own shard)")
         _at_least("num_gpus", self.num_gpus, 0)
@@ -287,8 +313,8 @@ class TrainConfig:
             shares = []
         if not shares or min(shares) < 1:
             raise UsageError(f"{flag}: must be whole numbers >= 1 separated by commas, one per tower")
-        if self.mode != "tower":
-            raise UsageError(f"{flag}: only with --mode=tower (the strategies split every micro-batch "
+        if not self.mode_rules.places_towers:
+            raise UsageError(f"{flag}: only with --mode={HAND_PLACED_MODE} (the strategies split every micro-batch "
                              f"evenly), not --mode={self.mode}")
         if len(shares) != self.num_towers:
             raise UsageError(f"{flag}: {len(shares)} shares for {self.num_towers} tower(s) "
@@ -298,6 +324,10 @@ class TrainConfig:
             raise UsageError(f"{flag}: does not cut a micro-batch of {micro} examples (--num_gpus x "
                              f"--batch_size) into whole shards; the shares' sum must divide "
                              f"{micro} x each share")
+
+    @property
+    def mode_rules(self) -> ModeRules:
+        return MODE_RULES[self.mode]
 
     @property
     def tower_shard_sizes(self) -> tuple[int, ...]:

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 from tower_train import flags as tt_flags
 from tower_train.api import check_data, config_and_objects, prepare_devices
 from tower_train.cli import command, load_tensorflow, parse_config
+from tower_train.config import HAND_PLACED_MODE
 
 if TYPE_CHECKING:  # TensorFlow loads only once the flags are checked
     from tower_train.evaluation import Evaluation
@@ -75,7 +76,7 @@ def evaluate_checkpoint(model: object = None, data: object = None, *, checkpoint
         model_class(config.model, config.model_module)
     check_data(config, data)
     # Evaluation has no strategy: the towers of tower mode, whatever --mode trained the checkpoint.
-    config = dataclasses.replace(config, mode="tower", all_reduce="auto", sync_bn=False)
+    config = dataclasses.replace(config, mode=HAND_PLACED_MODE, all_reduce="auto", sync_bn=False)
     plan = prepare_devices(config)
 
     import tensorflow as tf

@@ -12,7 +12,7 @@ import typing
 
 from absl import flags
 
-from tower_train.config import TrainConfig, option_type
+from tower_train.config import ONE_PROCESS_MODES, WORKERS_MODE, TrainConfig, option_type
 
 _DEFINE_BY_TYPE = {str: flags.DEFINE_string, int: flags.DEFINE_integer,
                    float: flags.DEFINE_float, bool: flags.DEFINE_bool}
@@ -66,9 +66,9 @@ def define_compare_flags() -> dict[str, flags.FlagHolder]:
     """The flags only `python -m tower_train.compare` takes, besides the training flags."""
     return {
         "modes": flags.DEFINE_list(
-            "modes", ["tower", "mirrored", "central_storage"],
-            "Modes to train side by side, alternating update by update: tower | mirrored | "
-            "central_storage (multi_worker needs one process per worker)."),
+            "modes", list(ONE_PROCESS_MODES),
+            f"Modes to train side by side, alternating update by update: {' | '.join(ONE_PROCESS_MODES)} "
+            f"({WORKERS_MODE} needs one process per worker)."),
         "warmup_updates": _define_warmup_updates(),
         "plot": flags.DEFINE_bool(
             "plot", True,

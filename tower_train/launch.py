@@ -37,7 +37,7 @@ from absl import flags
 
 from tower_train import cli
 from tower_train import flags as tt_flags
-from tower_train.config import TrainConfig
+from tower_train.config import WORKERS_MODE, TrainConfig
 from tower_train.errors import UsageError
 
 PROG = "tower_train.launch"
@@ -73,14 +73,14 @@ def check_training_flags(args: Sequence[str]) -> TrainConfig:
     Raises UsageError for a bad flag or value, an argument that is not a flag, or a --mode or
     --cluster the launcher does not run (it gives each worker --mode=multi_worker and a TF_CONFIG).
     """
-    rest = flags.FLAGS(["tower_train", "--mode=multi_worker", *args])
+    rest = flags.FLAGS(["tower_train", f"--mode={WORKERS_MODE}", *args])
     if len(rest) > 1:
         raise UsageError(f"unexpected argument {rest[1]!r} among the training flags: only --flags "
                          "are accepted after '--'")
     if flags.FLAGS["help"].value or flags.FLAGS["helpfull"].value:  # cli's, which every worker reads
         raise UsageError("--help after '--' would show each worker's help: put it before '--' for the "
                          "launcher's, or run python -m tower_train --help for the training flags")
-    for name, wanted in (("mode", "multi_worker"), ("cluster", "tf_config")):
+    for name, wanted in (("mode", WORKERS_MODE), ("cluster", "tf_config")):
         value = tt_flags.TRAINING_FLAGS[name].value
         if value != wanted:
             raise UsageError(f"--{name}={value}: the launcher runs --{name}={wanted} workers, each "
@@ -175,7 +175,7 @@ class _WorkerGroup:
             # A session of its own: a terminal's Ctrl-C reaches the launcher alone, which passes
             # it on once; the same signal twice would kill a worker unsaved.
             self._processes.append(subprocess.Popen(
-                [sys.executable, "-m", "tower_train", "--mode=multi_worker", *training_args],
+                [sys.executable, "-m", "tower_train", f"--mode={WORKERS_MODE}", *training_args],
                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                 env={**os.environ, "TF_CONFIG": tf_config, "CUDA_VISIBLE_DEVICES": gpus_of_worker(
                     index, gpus_per_worker, os.environ.get("CUDA_VISIBLE_DEVICES"))}, start_new_session=True,

@@ -21,7 +21,7 @@ import tensorflow as tf
 from absl import logging
 
 from tower_train.checkpoints import model_label
-from tower_train.config import TrainConfig
+from tower_train.config import MODE_RULES, ONE_PROCESS_MODES, TrainConfig
 from tower_train.data import Source
 from tower_train.errors import UsageError
 from tower_train.keras_model import (KerasModel, PerLabelLoss, check_network, clone_instance,
@@ -245,10 +245,11 @@ def build_model(spec: ModelSpec, source: Source, config: TrainConfig,
     if config.sync_bn and not any(isinstance(layer, keras.layers.BatchNormalization)
                                   for layer in model._flatten_layers()):  # every nested layer
         raise UsageError(f"--sync_bn: {what} has no BatchNormalization layer")
-    if config.mode == "central_storage" and model.non_trainable_variables:
-        raise UsageError(f"--mode=central_storage: {what} has moving statistics "
+    if not config.mode_rules.keeps_replica_state and model.non_trainable_variables:
+        keeping = " or ".join(m for m in ONE_PROCESS_MODES if MODE_RULES[m].keeps_replica_state)
+        raise UsageError(f"--mode={config.mode}: {what} has moving statistics "
                          "(BatchNormalization) or random state (Dropout), which CentralStorageStrategy "
-                         "cannot update from its replicas; use --mode=tower or mirrored")
+                         f"cannot update from its replicas; use --mode={keeping}")
     if training:
         check_training_pass(what, model, example, labels)
     if config.recompute and model.adds_batch_losses:

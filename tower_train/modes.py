@@ -16,7 +16,7 @@ import dataclasses
 from typing import ContextManager
 
 from tower_train.cluster import SINGLE_PROCESS, WorkerInfo, strategy_resolver
-from tower_train.config import DTYPES, TrainConfig
+from tower_train.config import DTYPES, MODE_RULES, TrainConfig
 from tower_train.devices import HOST_DEVICE, DevicePlan, device_span, plan_devices
 from tower_train.errors import UsageError
 
@@ -25,10 +25,10 @@ def fit_plan_to_mode(mode: str, plan: DevicePlan) -> DevicePlan:
     """The device plan a mode can run: MultiWorkerMirroredStrategy runs one replica on a
     worker's /cpu:0 when the worker has no GPU, so a CPU split is of no use to it; and the
     mirrored modes have no parameter device, so the plan's line does not name one."""
-    if mode in ("mirrored", "multi_worker"):
+    if MODE_RULES[mode].mirrors_variables:
         plan = dataclasses.replace(plan, message=plan.message.replace(
             f"; parameters on {plan.param_device}", "; variables mirrored on every tower"))
-    if mode != "multi_worker" or plan.split != "cpu":
+    if not MODE_RULES[mode].workers or plan.split != "cpu":
         return plan
     if len(plan.tower_devices) > 1:
         raise UsageError(f"--num_gpus={len(plan.tower_devices)}: with --mode=multi_worker and no GPU "
@@ -111,15 +111,15 @@ class Mode:
 
     @property
     def variables_on(self) -> str:
-        if self.name in ("tower", "central_storage"):
-            return self.plan.param_device
-        return "every replica (mirrored)"
+        if MODE_RULES[self.name].mirrors_variables:
+            return "every replica (mirrored)"
+        return self.plan.param_device
 
 
 def check_jit_compile(mode: str, plan: DevicePlan) -> None:
     """XLA compiles a tower for its own device and cannot read variables held on another one
     (tensorflow.org/xla/known_issues), so it needs each tower to hold the variables it reads."""
-    if mode in ("tower", "central_storage") and set(plan.tower_devices) != {plan.param_device}:
+    if not MODE_RULES[mode].mirrors_variables and set(plan.tower_devices) != {plan.param_device}:
         raise UsageError(f"--jit_compile: XLA cannot read the variables on {plan.param_device} from "
                          f"towers on {device_span(plan.tower_devices)} (--mode={mode}); use --mode=mirrored, "
                          "or one tower on the parameter device (--num_gpus=1 --ps_device=gpu)")

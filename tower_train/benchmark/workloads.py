@@ -9,7 +9,7 @@ import time
 from typing import TYPE_CHECKING, Callable
 
 from tower_train.benchmark.names import BenchConfig
-from tower_train.config import TrainConfig
+from tower_train.config import HAND_PLACED_MODE, TrainConfig
 
 if TYPE_CHECKING:
     from tower_train.devices import DevicePlan
@@ -50,7 +50,7 @@ def build_workload(bench: BenchConfig, config: TrainConfig, plan: DevicePlan,
     if bench.kind.startswith("tower_ps"):  # the kind, not --ps_device, says where the variables live
         ps_device = bench.kind.removeprefix("tower_ps")
         tower_weights = "per_micro_step" if bench.weights_per_micro_step else config.tower_weights
-        config = dataclasses.replace(config, mode="tower", all_reduce="auto", ps_device=ps_device,
+        config = dataclasses.replace(config, mode=HAND_PLACED_MODE, all_reduce="auto", ps_device=ps_device,
                                      tower_weights=tower_weights)
         plan = dataclasses.replace(plan, param_device=parameter_device(ps_device, plan.tower_devices))
     elif bench.kind in ("mirrored", "central_storage"):
@@ -212,7 +212,7 @@ def _mode(config: TrainConfig, plan: DevicePlan, dataset, new_state: Callable,
 
     mode = build_mode(config, plan)
     state = new_state(mode.variable_scope())
-    slow = slow_tower_ms > 0 and config.mode == "tower"
+    slow = slow_tower_ms > 0 and config.mode_rules.places_towers
     inner = mode.inner_step(state, config, slowed_first_tower(state, config, slow_tower_ms) if slow else None)
     batches = iter(dataset)
 
