@@ -24,7 +24,8 @@ from absl import logging
 
 from tower_train.config import RUN_FILE
 from tower_train.errors import TrainingError, UsageError, first_line
-from tower_train.run_dir import fresh_directory, read_run_record, record_differences, write_run_record
+from tower_train.run_dir import (fresh_directory, read_run_record, record_differences, write_run_record,
+                                 write_whole)
 
 CHECKPOINTS_KEPT = 5  # enough to fall back past a bad one, small enough to ignore
 _STATE_FILE = "checkpoint"  # where tf.train.CheckpointManager lists a directory's checkpoints
@@ -207,14 +208,7 @@ def _write_index(directory: str, numbers: list[int]) -> None:
                  + [f'all_model_checkpoint_paths: "{name}"' for name in names]
                  + [f"all_model_checkpoint_timestamps: {now!r}" for _ in names]
                  + [f"last_preserved_timestamp: {now - 1!r}"])
-        staging = f"{path}.tmp"
-        try:
-            with open(staging, "w") as f:
-                f.write("\n".join(lines) + "\n")
-            os.replace(staging, path)
-        finally:
-            if os.path.exists(staging):
-                os.remove(staging)
+        write_whole(path, "\n".join(lines) + "\n")
     except OSError as e:
         raise TrainingError(f"cannot rewrite the index {path} of the checkpoints found "
                             f"({write_failure(e)}); the checkpoints are intact; make room and run "

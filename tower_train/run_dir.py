@@ -64,12 +64,17 @@ def fresh_directory(train_dir: str) -> str:
 def write_run_record(train_dir: str, record: dict) -> None:
     """Writes the record unless there is one, whole or not at all (a full disk leaves no half)."""
     path = os.path.join(train_dir, RUN_FILE)
-    if os.path.exists(path):
-        return
+    if not os.path.exists(path):
+        write_whole(path, json.dumps(record, indent=1))
+
+
+def write_whole(path: str, text: str) -> None:
+    """Writes `text` to `path` whole or not at all: staged beside it, then renamed over it; the
+    staging file is removed if the write fails (a full disk). OSError as the write raises it."""
     staging = f"{path}.tmp"
     try:
         with open(staging, "w") as f:
-            json.dump(record, f, indent=1)
+            f.write(text)
         os.replace(staging, path)
     finally:
         if os.path.exists(staging):
