@@ -157,6 +157,13 @@ def without_autotuning(dataset: tf.data.Dataset) -> tf.data.Dataset:
     return dataset.with_options(options)
 
 
+def weight_check(weights: tf.Tensor, what: str) -> tf.Operation:
+    """An op that fails, with "<what> a weight that is negative or not finite:" and the weights,
+    when one is: the in-graph form of the rule ArraySource checks on its arrays."""
+    return tf.debugging.Assert(tf.reduce_all(tf.math.is_finite(weights) & (weights >= 0)),
+                               [f"{what} a weight that is negative or not finite:", weights], summarize=16)
+
+
 def available_memory_bytes() -> int | None:
     """MemAvailable of /proc/meminfo (Linux): what can be allocated without swapping."""
     try:

@@ -16,7 +16,7 @@ from typing import Callable
 import numpy as np
 import tensorflow as tf
 
-from tower_train.data import DataError, Preprocess, Source
+from tower_train.data import DataError, Preprocess, Source, weight_check
 from tower_train.user_code import call_user_code
 
 DatasetFunction = Callable[[], tf.data.Dataset]
@@ -286,10 +286,7 @@ class DatasetSource(Source):
             summarize=16)
         if len(example) == 3:
             weights = tf.cast(example[2], tf.float32)
-            valid = tf.debugging.Assert(
-                tf.reduce_all(tf.math.is_finite(weights) & (weights >= 0)),
-                [f"{self.name}: {role}() has a weight that is negative or not finite:", weights],
-                summarize=16)
+            valid = weight_check(weights, f"{self.name}: {role}() has")
         else:
             weights, valid = tf.ones_like(labels, tf.float32), tf.no_op()
         with tf.control_dependencies([check, valid]):

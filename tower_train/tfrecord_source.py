@@ -16,7 +16,7 @@ import numpy as np
 import tensorflow as tf
 
 from tower_train.data import (_HOST, TRAIN_PREFETCH, DataError, Preprocess, Source, check_stream_arguments,
-                              without_autotuning)
+                              weight_check, without_autotuning)
 from tower_train.errors import UsageError, op_error_text
 from tower_train.user_code import UserCodeError, describe, where
 
@@ -351,10 +351,7 @@ class TFRecordSource(Source):
             labels = tf.identity(labels)
         if self.returns_weights:
             weights = tf.ensure_shape(tf.cast(out[2], tf.float32), lead + self.label_spec.shape.as_list())
-            valid = tf.debugging.Assert(
-                tf.reduce_all(tf.math.is_finite(weights) & (weights >= 0)),
-                [f"{self.name}: a record has a weight that is negative or not finite:", weights],
-                summarize=16)
+            valid = weight_check(weights, f"{self.name}: a record has")
             with tf.control_dependencies([valid]):
                 weights = tf.identity(weights)
         else:
