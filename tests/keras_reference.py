@@ -1,6 +1,6 @@
 """The small Keras problem that tests/test_keras_models.py and tests/test_dataset_source.py both
-train: its arrays, a Sequential and a functional model with an L2 penalty, and Keras's own `fit`
-on it as the reference."""
+train: its arrays, a Sequential and a functional model with an L2 penalty, Keras's own `fit` on it
+as the reference, and the comparison of weights with it."""
 import keras
 import numpy as np
 
@@ -45,3 +45,9 @@ def keras_fit(make, initial, loss):
     reference.compile(keras.optimizers.SGD(LR), loss)
     reference.fit(x, y, batch_size=G, shuffle=False, epochs=UPDATES * G // EXAMPLES, verbose=0)
     return reference.get_weights()
+
+
+def assert_same_weights(got, want):
+    """Two lists of weights equal to float32 rounding, one by one."""
+    for got_one, want_one in zip(got, want, strict=True):
+        np.testing.assert_allclose(got_one, want_one, rtol=1e-5, atol=1e-6)

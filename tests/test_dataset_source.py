@@ -8,8 +8,8 @@ import pytest
 import tensorflow as tf
 
 import tower_train
-from keras_reference import (CLASSES, EXAMPLES, SGD_OPTIONS, UPDATES, arrays, functional, keras_fit,
-                             sequential, with_weights)
+from keras_reference import (CLASSES, EXAMPLES, SGD_OPTIONS, UPDATES, arrays, assert_same_weights, functional,
+                             keras_fit, sequential, with_weights)
 
 
 def in_order() -> tf.data.Dataset:
@@ -36,8 +36,7 @@ def test_a_pipeline_trains_a_sequential_to_the_weights_of_kerass_own_fit_in_any_
     expected = keras_fit(sequential, initial, loss)
     model = with_weights(sequential, initial)
     assert tower_fit(model, loss, tmp_path / "run", layout).step == UPDATES
-    for got, want in zip(model.get_weights(), expected, strict=True):
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    assert_same_weights(model.get_weights(), expected)
     assert np.abs(model.get_weights()[0] - initial[0]).max() > 1e-2  # it trained
 
 
@@ -47,8 +46,7 @@ def test_a_pipeline_trains_a_functional_model_to_the_weights_of_kerass_own_fit(t
     expected = keras_fit(functional, initial, "sparse_categorical_crossentropy")
     model = with_weights(functional, initial)
     tower_fit(model, "sparse_categorical_crossentropy", tmp_path / "run", (3, 4, 2))
-    for got, want in zip(model.get_weights(), expected, strict=True):
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    assert_same_weights(model.get_weights(), expected)
 
 
 def test_a_shuffled_pipeline_resumes_bit_for_bit(tmp_path):

@@ -7,8 +7,8 @@ import pytest
 import tensorflow as tf
 
 import tower_train
-from keras_reference import (CLASSES, FEATURES, LR, SGD_OPTIONS, UPDATES, arrays, functional, keras_fit,
-                             sequential, with_weights)
+from keras_reference import (CLASSES, FEATURES, LR, SGD_OPTIONS, UPDATES, arrays, assert_same_weights, functional,
+                             keras_fit, sequential, with_weights)
 
 # (num_gpus, batch_size, accum): N x B x K = G.
 LAYOUTS = [("tower", (1, 24, 1)), ("tower", (2, 12, 1)), ("tower", (2, 6, 2)), ("tower", (3, 2, 4)),
@@ -46,8 +46,7 @@ def test_a_keras_sequential_trains_to_the_weights_of_kerass_own_fit(sequential_r
     result = tower_fit(model, loss, tmp_path, mode, layout)
     assert result.step == UPDATES and result.model is model
     assert loss.reduction == "sum_over_batch_size"  # the user's loss object is left as it was
-    for got, want in zip(model.get_weights(), expected, strict=True):
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    assert_same_weights(model.get_weights(), expected)
     assert np.abs(model.get_weights()[0] - initial[0]).max() > 1e-2  # it trained
 
 
@@ -58,8 +57,7 @@ def test_a_functional_model_and_a_loss_name_train_to_the_weights_of_kerass_own_f
     model = with_weights(functional, initial)
     result = tower_fit(model, "sparse_categorical_crossentropy", tmp_path, layout=(3, 4, 2))
     assert result.model is model
-    for got, want in zip(model.get_weights(), expected, strict=True):
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    assert_same_weights(model.get_weights(), expected)
 
 
 class Subclassed(keras.Model):
@@ -98,8 +96,7 @@ def test_an_activity_regularizer_counts_as_in_kerass_own_fit(tmp_path, mode, lay
     expected = keras_fit(activity_regularized, initial, loss)
     model = with_weights(activity_regularized, initial)
     tower_fit(model, loss, tmp_path, mode, layout)
-    for got, want in zip(model.get_weights(), expected, strict=True):
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    assert_same_weights(model.get_weights(), expected)
     without = keras_fit(lambda: activity_regularized(0.0), initial, loss)
     assert np.abs(expected[0] - without[0]).max() > 1e-2  # the regularizer shows
 
@@ -123,8 +120,7 @@ def test_dropout_beside_weight_and_activity_regularizers_trains_alike_in_tower_a
         result = tower_fit(model, loss, tmp_path / f"{mode}{layout[2]}", mode, layout)
         assert result.step == UPDATES and np.isfinite(result.loss)
         trained[mode, layout[2]] = model.get_weights()
-    for got, want in zip(trained["mirrored", 2], trained["tower", 2], strict=True):
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    assert_same_weights(trained["mirrored", 2], trained["tower", 2])
     assert np.abs(trained["tower", 1][0] - initial[0]).max() > 1e-2  # it trained at K = 1 too
 
 
@@ -135,8 +131,7 @@ def test_a_subclassed_instance_is_cloned_and_trains_to_the_weights_of_kerass_own
     expected = keras_fit(built_subclassed, initial, loss)
     model = with_weights(built_subclassed, initial)
     assert tower_fit(model, loss, tmp_path).model is model
-    for got, want in zip(model.get_weights(), expected, strict=True):
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    assert_same_weights(model.get_weights(), expected)
 
 
 def test_a_keras_instance_resumes_from_the_train_dirs_checkpoint_bit_for_bit(tmp_path):
@@ -230,8 +225,7 @@ def test_a_per_token_loss_callable_on_padded_sequences_gives_the_update_of_the_w
                     batch_size=8, accum=2, max_steps=updates, optimizer="sgd", learning_rate=LR,
                     lr_schedule="constant", warmup_steps=0, scale_lr=False, ema_decay=0.0,
                     train_dir=tmp_path / "run")
-    for got, want in zip(model.get_weights(), reference.get_weights(), strict=True):
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    assert_same_weights(model.get_weights(), reference.get_weights())
 
     # One update of Keras's fit with these weights as sample_weight, against ours from `initial`.
     keras_model = with_weights(token_tagger, initial)
