@@ -96,7 +96,8 @@ class TrainResult:
     step: int  # updates applied, counting from 0 across resumes
     loss: float | None  # of the last update; None when there was nothing left to train
     eval_precision: float | None  # weighted top-1 on the held-out data; None without any
-    # Its weighted loss plus the regularization once (evaluation.py); None without any.
+    # Its weighted loss, the regularization once and the batch losses' mean (evaluation.py);
+    # None without any.
     eval_loss: float | None
     eval_examples: int  # held-out examples counted
     eval_metrics: dict[str, float]  # fit(metrics=...) by name; empty without held-out weight
