@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from tower_train.inner_step import Decision
 from tower_train.strategy_mode import StrategyStep
 from tower_train.update_rule import LossScale, UpdateRule
 from helpers import DECAY, FEATURES, LR, TinyNet, micro_batches, plain_sgd_step, values
@@ -100,7 +101,7 @@ def test_an_update_of_total_weight_0_moves_nothing_on_any_replica():
 
     result = step.run_update(iter(micro_batches((2, 2), 2, seed=3, zero_weights=True)))
 
-    assert not result.applied and result.empty
+    assert result.decision == Decision.EMPTY
     # The loss of an empty update is the regularization alone.
     assert result.loss == pytest.approx(
         DECAY * float(np.sum(values([rule.model.hidden.kernel])[0] ** 2)) / 2, rel=1e-5)
@@ -120,7 +121,7 @@ def test_a_non_finite_update_is_refused_as_an_overflow_of_the_loss_scale():
 
     result = step.run_update(iter(batches))
 
-    assert not result.applied and not result.empty
+    assert result.decision == Decision.NONFINITE
     for got, want in zip(everything(rule)[:-2], before, strict=True):
         for g, w in zip(got, want, strict=True):
             np.testing.assert_array_equal(g, w)

@@ -12,6 +12,7 @@ import pytest
 import tensorflow as tf
 
 from tower_train.devices import canonical_device
+from tower_train.inner_step import Decision
 from tower_train.tower_mode import TowerStep
 from tower_train.update_rule import LossScale, UpdateRule
 from helpers import DECAY, FEATURES, LR, TinyNet, micro_batches, plain_sgd_step, values
@@ -96,7 +97,7 @@ def test_accumulate_adds_each_towers_sums_on_its_device_and_update_clears_them()
         for got, want in zip(values(grad_sums[i]), grads, strict=True):
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
 
-    assert step.update(*last)[2]
+    assert Decision(int(step.update(*last)[2])) == Decision.APPLIED
     assert all(not np.any(a) for a in accumulators(step))
 
 
@@ -115,7 +116,7 @@ def test_an_update_of_total_weight_0_moves_no_weight_slot_counter_or_statistic()
 
     result = step.run_update(iter(micro_batches(shard_sizes, 2, seed=3, zero_weights=True)))
 
-    assert not result.applied and result.empty
+    assert result.decision == Decision.EMPTY
     # The loss of an empty update is the regularization alone.
     assert result.loss == pytest.approx(
         DECAY * float(np.sum(values([rule.model.hidden.kernel])[0] ** 2)) / 2, rel=1e-5)
@@ -138,7 +139,7 @@ def test_a_non_finite_update_is_refused_as_an_overflow_of_the_loss_scale():
 
     result = step.run_update(iter(batches))
 
-    assert not result.applied and not result.empty
+    assert result.decision == Decision.NONFINITE
     for got, want in zip(values([*rule.model.variables, *rule.optimizer.variables, rule.step]),
                          before, strict=True):
         np.testing.assert_array_equal(got, want)

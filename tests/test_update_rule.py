@@ -11,6 +11,7 @@ import tensorflow as tf
 
 from tower_train.models.base import TowerModel
 from tower_train.schedules import MovingAverage, UpdateSchedule
+from tower_train.inner_step import Decision
 from tower_train.update_rule import LossScale, TrainingStatistics, UpdateRule
 
 FEATURES = 4
@@ -186,7 +187,7 @@ def test_a_refused_update_moves_nothing_but_the_loss_scale():
     momentums = [v for v in rule.optimizer.variables if "momentum" in v.name]
     assert len(momentums) == 2 and all(np.any(m != 0) for m in values(momentums))
 
-    rule.refuse()
+    rule.refuse(Decision.NONFINITE)
 
     for got, want in zip(state(), before, strict=True):
         np.testing.assert_array_equal(got, want)
@@ -198,7 +199,7 @@ def test_without_a_loss_scale_a_refused_update_moves_nothing():
     rule.apply(random_gradients(rule.model, seed=4))
     before = values([*rule.model.variables, *rule.optimizer.variables, *rule.moving_average.averages,
                      rule.step])
-    rule.refuse()
+    rule.refuse(Decision.NONFINITE)
     after = values([*rule.model.variables, *rule.optimizer.variables, *rule.moving_average.averages,
                     rule.step])
     for got, want in zip(after, before, strict=True):
@@ -211,11 +212,38 @@ def test_the_loss_scale_counts_applied_updates_and_refusals_through_the_rule():
     rule.apply(gradients)
     rule.apply(gradients)
     assert scale_state(rule.loss_scale) == (2.0 ** 15, 2)
-    rule.refuse()
+    rule.refuse(Decision.EMPTY)  # no label counted: no overflow either
+    assert scale_state(rule.loss_scale) == (2.0 ** 15, 2)
+    rule.refuse(Decision.OVERFLOW)
     assert scale_state(rule.loss_scale) == (2.0 ** 14, 0)
     for _ in range(3):
         rule.apply(gradients)
     assert scale_state(rule.loss_scale) == (2.0 ** 15, 0)
+
+
+@pytest.mark.parametrize("total_weight, finite, loss, scale, decision", [
+    (16.0, True, 2.5, None, Decision.APPLIED),
+    (16.0, False, 2.5, None, Decision.NONFINITE),  # without a loss scale nothing is an overflow
+    (16.0, False, np.nan, None, Decision.NONFINITE),
+    (0.0, True, 0.0, None, Decision.EMPTY),
+    (0.0, False, np.nan, 2.0 ** 15, Decision.EMPTY),  # no label counted: neither fault nor overflow
+    (16.0, True, 2.5, 2.0 ** 15, Decision.APPLIED),
+    (16.0, False, 2.5, 2.0 ** 15, Decision.OVERFLOW),
+    (16.0, False, 2.5, 2.0, Decision.OVERFLOW),  # halved to 1: the scale still guards float16's range
+    (16.0, False, 2.5, 1.0, Decision.NONFINITE),  # halved to 0.5: the gradient itself is non-finite
+    (16.0, False, np.inf, 2.0 ** 15, Decision.NONFINITE),  # a non-finite loss is never an overflow
+    (16.0, False, np.nan, 2.0 ** 15, Decision.NONFINITE),
+])
+@pytest.mark.parametrize("traced", [False, True])
+def test_decide_names_what_becomes_of_an_update(total_weight, finite, loss, scale, decision, traced):
+    rule = make_rule(loss_scale=None if scale is None else LossScale())
+    if scale is not None:
+        rule.loss_scale.value.assign(scale)
+    decide = tf.function(rule.decide) if traced else rule.decide
+
+    got = decide(tf.constant(total_weight), tf.constant(finite), tf.constant(loss, tf.float32))
+
+    assert got.dtype == tf.int32 and Decision(int(got)) == decision
 
 
 def test_the_moving_average_takes_one_step_per_applied_update():
@@ -225,7 +253,7 @@ def test_the_moving_average_takes_one_step_per_applied_update():
     t = 0
     for event, seed in [("apply", 6), ("refuse", None), ("apply", 7), ("apply", 8)]:
         if event == "refuse":
-            rule.refuse()
+            rule.refuse(Decision.NONFINITE)
         else:
             rule.apply(random_gradients(rule.model, seed))
             t += 1

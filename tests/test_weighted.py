@@ -15,6 +15,7 @@ import pytest
 import tensorflow as tf
 
 import tower_train
+from tower_train.inner_step import Decision
 from tower_train.models import l2_loss
 from helpers import make_run, synthetic_batches, weights
 from test_cli_errors import ROOT, run_cli
@@ -162,7 +163,7 @@ def test_an_update_whose_weights_are_all_zero_is_refused_and_changes_nothing(mod
     empty = [(x, y, tf.zeros_like(w)) for x, y, w in (next(stream), next(stream))]
     before = weights(run.state.model)
     result = run.inner.run_update(iter(empty))
-    assert not result.applied and result.empty and result.total_weight == 0
+    assert result.decision == Decision.EMPTY and result.total_weight == 0
     assert np.isfinite(result.loss)
     assert run.state.step.numpy() == 0 and run.state.optimizer.iterations.numpy() == 0
     for got, want in zip(weights(run.state.model), before):

@@ -3,6 +3,7 @@ and the strategy modes' `StrategyStep` implement, and what one update reports.""
 from __future__ import annotations
 
 import dataclasses
+import enum
 from typing import Iterator, Mapping, Protocol, Sequence
 
 import tensorflow as tf
@@ -12,28 +13,37 @@ Batch = tuple[tf.Tensor, tf.Tensor, tf.Tensor]
 BatchSpec = tuple[tf.TensorSpec, tf.TensorSpec, tf.TensorSpec]
 
 
+class Decision(enum.IntEnum):
+    """What became of an update: decided once, in the graph, by `UpdateRule.decide`, for every
+    mode. Only APPLIED moves anything but the loss scale."""
+
+    APPLIED = 0
+    EMPTY = 1  # total weight 0: no label counted; refused, and no fault
+    OVERFLOW = 2  # float16: a finite loss whose gradient overflowed, which the loss scale handles
+    NONFINITE = 3  # a non-finite loss or gradient would have reached the weights: --nonfinite's case
+
+
 @dataclasses.dataclass(frozen=True)
 class UpdateResult:
     """What one call of `run_update` did.
 
     loss: the update's weighted mean loss (over all towers, micro-steps and workers) plus the
-      regularization; total_weight: W, the sum of the update's weights; applied: False when the
-      update was refused (W = 0, or a non-finite loss or gradient) and nothing moved.
+      regularization; total_weight: W, the sum of the update's weights; decision: applied, or
+      why it was refused (nothing moved then).
     """
 
     loss: float
     total_weight: float
-    applied: bool
+    decision: Decision
 
     @classmethod
-    def of(cls, loss: tf.Tensor, total_weight: tf.Tensor, applied: tf.Tensor | bool) -> UpdateResult:
+    def of(cls, loss: tf.Tensor, total_weight: tf.Tensor, decision: tf.Tensor) -> UpdateResult:
         """From the step's tensors; reading them waits for the update to finish."""
-        return cls(float(loss), float(total_weight), bool(applied))
+        return cls(float(loss), float(total_weight), Decision(int(decision)))
 
     @property
-    def empty(self) -> bool:
-        """The update counted no label at all (every weight 0): refused, and no fault."""
-        return self.total_weight == 0
+    def applied(self) -> bool:
+        return self.decision == Decision.APPLIED
 
 
 class InnerStep(Protocol):

@@ -11,10 +11,11 @@ below). As in tower mode, an update of K micro-steps is K - 1 calls of
 - `finish`: every replica adds its last micro-step to its accumulators; then
   three scalars are summed across replicas (and workers): sum(w * loss),
   sum(w) = W, and the count of non-finite values (a fourth for a model that
-  adds losses of the batch: below).
-- then, from Python, `apply(W)` if W > 0 and every replica was finite, else
-  `discard`. `apply`: every replica scales its local gradient sum by c / W
-  (c = labels per shard; `towers` has the math), and one all-reduce per update
+  adds losses of the batch: below), from which `UpdateRule.decide` makes the
+  update's `Decision`.
+- then, from Python, `apply(W)` if that is APPLIED (W > 0 and every replica
+  finite), else `discard`. `apply`: every replica scales its local gradient
+  sum by c / W (c = labels per shard; `towers` has the math), and one all-reduce per update
   sums them: the gradient of the update's weighted mean loss, exactly what
   tower mode applies. The same all-reduce averages the replicas' BatchNorm
   moving statistics. Each replica adds the regularization's gradient and clips
@@ -104,16 +105,13 @@ class StrategyStep:
         for _ in range(self._accum - 1):
             self.accumulate(*next(batches))
         features, labels, weights = next(batches)
-        scalars, regularization = self.finish(features, labels, weights)
-        loss_sum, total_weight, nonfinite, *batch_loss = scalars.numpy()  # batch_loss: [] or [mean]
-        applied = nonfinite == 0 and total_weight > 0
-        if applied:
+        result = UpdateResult.of(*self.finish(features, labels, weights))
+        if result.applied:
             count = labels_per_shard(labels.shape, [labels.shape[0] // self._local_replicas])[0]
-            self.apply(tf.constant(count / total_weight, tf.float32))
+            self.apply(tf.constant(count / result.total_weight, tf.float32))
         else:
-            self.discard(tf.constant(nonfinite > 0 and total_weight > 0))  # an empty update: no overflow
-        mean_loss = loss_sum / total_weight if total_weight > 0 else 0.0
-        return UpdateResult.of(mean_loss + float(regularization) + sum(batch_loss), total_weight, applied)
+            self.discard(tf.constant(int(result.decision)))
+        return result
 
     def traced_update(self, spec: BatchSpec) -> list[tuple[object, int]]:
         runs = [(self.accumulate.get_concrete_function(*spec), self._accum - 1)] if self._accum > 1 else []
@@ -149,20 +147,25 @@ class StrategyStep:
         return tf.identity(self._sums.loss.read_value())
 
     def _finish(self, features: tf.Tensor, labels: tf.Tensor,
-                weights: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
-        """The last micro-step: [sum(w * loss), sum(w), non-finite values] and, for a model that
-        adds losses of the batch, their mean over the update's examples, summed over every replica
-        of every worker; and the regularization of the weights the update started from."""
+                weights: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
+        """The last micro-step; returns (the update's weighted mean loss plus the regularization
+        of the weights it started from, its total weight, its `Decision`), from [sum(w * loss),
+        sum(w), non-finite values] and, for a model that adds losses of the batch, their mean over
+        the update's examples, summed over every replica of every worker."""
         self._strategy.run(self._accumulate_replica, args=(self._per_replica((features, labels, weights)),))
         scalars = self._strategy.run(self._replica_scalars)
         # Under CentralStorageStrategy the sums are already shared: each replica holds 1/N of them.
         share = tf.constant([self._accumulated_share, self._accumulated_share, 1.0]
                             + [self._accumulated_share] * (self._sums.batch_loss is not None))
+        loss_sum, total_weight, nonfinite, *batch_loss = tf.unstack(
+            self._strategy.reduce(tf.distribute.ReduceOp.SUM, scalars, axis=None) * share)
         # Where the first copy of the weights lives: computed on the host instead, the
         # regularization would bring the weights it reads there (3.8 MB per update for cifar10_cnn).
         with tf.device(self._strategy.extended.parameter_devices[0]):
             regularization = self._rule.model.update_regularization()
-        return self._strategy.reduce(tf.distribute.ReduceOp.SUM, scalars, axis=None) * share, regularization
+        mean_loss = tf.math.divide_no_nan(loss_sum, total_weight) + regularization + tf.add_n([0.0, *batch_loss])
+        finite = tf.equal(nonfinite, 0.0) & tf.math.is_finite(mean_loss)
+        return mean_loss, total_weight, self._rule.decide(total_weight, finite, mean_loss)
 
     def _replica_scalars(self) -> tf.Tensor:
         sums = self._sums
@@ -207,9 +210,9 @@ class StrategyStep:
         self._statistics.keep()
         self._clear()
 
-    def _discard(self, overflowed: tf.Tensor) -> None:
+    def _discard(self, decision: tf.Tensor) -> None:
         self._strategy.run(self._discard_replica)
-        tf.cond(overflowed, self._rule.refuse, lambda: None)  # an empty update is no overflow
+        self._rule.refuse(decision)
 
     def _discard_replica(self) -> None:
         self._statistics.restore()

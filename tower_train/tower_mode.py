@@ -52,8 +52,9 @@ counted there and set back to 0 at the end of every update.
 
 An update whose total weight is 0, or whose loss or gradient holds a
 non-finite value, is not applied at all: no weight, optimizer slot, counter or
-BatchNorm statistic moves. Tower mode has no replica context, so a `tf.cond`
-on the parameter device decides.
+BatchNorm statistic moves. `UpdateRule.decide` decides, and tower mode, which
+has no replica context, acts on its decision in a `tf.cond` on the parameter
+device.
 """
 from __future__ import annotations
 
@@ -62,7 +63,7 @@ from typing import Callable, Iterator, Mapping, Sequence
 import tensorflow as tf
 
 from tower_train.devices import canonical_device
-from tower_train.inner_step import Batch, BatchSpec, UpdateResult
+from tower_train.inner_step import Batch, BatchSpec, Decision, UpdateResult
 from tower_train.towers import (TowerResult, combine_gradients, labels_per_shard, pass_seeds,
                                 read_in_compute_dtype, regularization_gradients, run_on_towers,
                                 seed_generator_states, split_batch, tower_function)
@@ -196,7 +197,7 @@ class TowerStep:
     def _update(self, features: tf.Tensor, labels: tf.Tensor,
                 weights: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
         """The last micro-step of an update; returns (the update's weighted mean loss, its total
-        weight, whether it was applied)."""
+        weight, its `Decision`)."""
         results = []
         for i, (device, result) in enumerate(zip(self._devices, self._towers((features, labels, weights)),
                                                  strict=True)):
@@ -236,24 +237,22 @@ class TowerStep:
             mean_grads = [g + r for g, r in zip(mean_grads, regularization_grads, strict=True)]
             finite = tf.reduce_all(tf.stack(
                 [tf.math.is_finite(mean_loss)] + [tf.reduce_all(tf.math.is_finite(g)) for g in mean_grads]))
+            decision = self._rule.decide(total_weight, finite, mean_loss)
 
-            def apply() -> tf.Tensor:
+            def apply() -> None:
                 self._rule.apply(self._rule.clip(mean_grads))
                 self._statistics.keep()
-                return tf.constant(True)
 
-            def refuse() -> tf.Tensor:
+            def refuse() -> None:
                 self._statistics.restore()
-                # Only a non-finite update of some weight is an overflow for the loss scale.
-                tf.cond(finite | (total_weight <= 0), lambda: None, self._rule.refuse)
-                return tf.constant(False)
+                self._rule.refuse(decision)
 
-            applied = tf.cond(tf.logical_and(finite, total_weight > 0), apply, refuse)
+            tf.cond(tf.equal(decision, int(Decision.APPLIED)), apply, refuse)
         for device, sums in zip(self._devices, self._sums):  # none at K = 1
             with tf.device(device):
                 sums.clear()
         if self._generator_states is not None:
             with tf.device(self._param_device):
                 self._micro_step.assign(0)
-        return mean_loss, total_weight, applied
+        return mean_loss, total_weight, decision
 

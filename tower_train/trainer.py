@@ -14,7 +14,6 @@ import contextlib
 import dataclasses
 import functools
 import itertools
-import math
 import signal
 import time
 from typing import Callable, ContextManager, Iterator, Protocol, Sequence
@@ -31,7 +30,7 @@ from tower_train.data import RUN_OP_ERRORS, Source
 from tower_train.errors import Stopped, TrainingError, UsageError, op_error_text, traced_message
 from tower_train.evaluation import Evaluation, check_metrics_against, evaluate
 from tower_train.export import export_saved_model
-from tower_train.inner_step import Batch, InnerStep, UpdateResult
+from tower_train.inner_step import Batch, Decision, InnerStep, UpdateResult
 from tower_train.model_spec import ModelSpec, build_model, users_network
 from tower_train.models import TowerModel
 from tower_train.modes import Mode
@@ -315,8 +314,7 @@ class Controller:
     def _refused(self, result: UpdateResult) -> None:
         """Applies the policy for an update that was not applied; raises TrainingError to stop."""
         update = _value(self.state.step) + 1
-        loss_scale = self.state.loss_scale
-        if result.empty:
+        if result.decision == Decision.EMPTY:
             self.empty_in_a_row += 1
             if self.empty_in_a_row >= self.config.max_skipped:
                 raise TrainingError(f"{self.empty_in_a_row} updates in a row had total weight 0, up to "
@@ -327,8 +325,8 @@ class Controller:
             self.log("update %d has total weight 0 (every label weighs 0) and was not applied; "
                      "its examples are passed over", update)
             return
-        if _is_overflow(loss_scale, result.loss):
-            scale = float(loss_scale.value.numpy())
+        if result.decision == Decision.OVERFLOW:
+            scale = float(self.state.loss_scale.value.numpy())
             self.log("update %d: float16 gradient overflow; update skipped, loss scale lowered to %g",
                      update, scale)
             return
@@ -345,14 +343,6 @@ class Controller:
                                 f"--max_skipped={self.config.max_skipped}; the last good checkpoint "
                                 f"is {last_good}")
         self.log("%s; skipped (%d in a row, %d in all)", what, self.skipped_in_a_row, self.skipped)
-
-
-def _is_overflow(loss_scale: LossScale | None, loss: float) -> bool:
-    """Whether a refused update was a float16 gradient overflow, which the loss scale handles,
-    rather than a non-finite update for --nonfinite: the loss is finite and the halved scale
-    is still >= 1. Below 1 the scale no longer guards float16's range, so the gradient itself
-    is non-finite, and halving on forever would never stop the run."""
-    return loss_scale is not None and math.isfinite(loss) and float(loss_scale.value.numpy()) >= 1.0
 
 
 class EvaluationHook:

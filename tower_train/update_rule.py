@@ -14,6 +14,7 @@ import dataclasses
 import keras
 import tensorflow as tf
 
+from tower_train.inner_step import Decision
 from tower_train.models.base import TowerModel
 from tower_train.schedules import MovingAverage
 
@@ -91,11 +92,28 @@ class UpdateRule:
         if self.loss_scale is not None:
             self.loss_scale.after_applied()
 
-    def refuse(self) -> None:
-        """Records an update that was not applied: only the loss scale (fp16) reacts, halving.
-        In a strategy, call it in cross-replica context."""
+    def decide(self, total_weight: tf.Tensor, finite: tf.Tensor, loss: tf.Tensor) -> tf.Tensor:
+        """The update's `Decision` (int32), from its total weight W, whether its loss and
+        gradient are all finite, and its loss. Every mode decides here, before anything moves.
+
+        A refused float16 update is an overflow, which the loss scale handles, only while its
+        loss is finite and the halved scale is still >= 1. Below 1 the scale no longer guards
+        float16's range, so the gradient itself is non-finite, and halving on forever would
+        never stop the run.
+        """
+        refused = tf.constant(int(Decision.NONFINITE))
         if self.loss_scale is not None:
-            self.loss_scale.after_refused()
+            overflow = tf.math.is_finite(loss) & (self.loss_scale.value / 2.0 >= 1.0)
+            refused = tf.where(overflow, int(Decision.OVERFLOW), refused)
+        return tf.where(total_weight <= 0, int(Decision.EMPTY),
+                        tf.where(finite, int(Decision.APPLIED), refused))
+
+    def refuse(self, decision: tf.Tensor) -> None:
+        """Records an update that was not applied: only the loss scale (fp16) reacts, halving
+        for a non-finite update (never for an empty one). In a strategy, call it in
+        cross-replica context."""
+        if self.loss_scale is not None:
+            tf.cond(tf.equal(decision, int(Decision.EMPTY)), lambda: None, self.loss_scale.after_refused)
 
     def _update_variable(self, variable: tf.Variable, gradient: tf.Tensor, rate: tf.Tensor) -> None:
         self.optimizer.update_step(gradient, variable, rate)
