@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import codecs
-import dataclasses
 import os
 import re
 import selectors
@@ -20,37 +19,18 @@ from tower_train.devices import canonical_device, plan_devices
 from tower_train.model_spec import resolve_model
 from tower_train.models import TowerModel, l2_loss
 from tower_train.modes import build_mode
-from tower_train.trainer import TrainState, build_state
-
-
-@dataclasses.dataclass
-class Run:
-    config: TrainConfig
-    state: TrainState
-    inner: object  # TowerStep or StrategyStep
-    tower_devices: tuple[str, ...]
-    param_device: str
+from tower_train.run import Run
 
 
 def make_run(model=None, source: data.Source | None = None, **overrides) -> Run:
-    """A state and inner step for a config (any single-process mode) on this process's logical
-    CPUs; `model` as `tower_train.fit` takes it (default: the config's), `source` by default the
-    embedded data set."""
+    """A run (`tower_train.run.Run`) of a config (any single-process mode) on this process's
+    logical CPUs; `model` as `tower_train.fit` takes it (default: the config's), `source` by
+    default the embedded data set."""
     config = TrainConfig(**{"train_dir": "/unused", **overrides})
     source = source or datasets.load_source("synthetic", None, config.augment)
     plan = plan_devices(config.num_gpus, config.ps_device, num_physical_gpus=0)
-    mode = build_mode(config, plan)
-    spec = resolve_model(model, config, None, source.num_classes)
-    state = build_state(config, spec, source, mode.variable_scope())
-    return Run(config, state, mode.inner_step(state, config), plan.tower_devices,
-               plan.param_device)
-
-
-def synthetic_batches(run: Run, source: data.Source | None = None):
-    """The training stream of `source` (default: the embedded data set) for this run's layout."""
-    source = source or datasets.load_source("synthetic", None, run.config.augment)
-    return iter(source.train_stream(seed=run.config.seed, start_position=0,
-                                    micro_batch=run.config.batch_size * len(run.tower_devices)))
+    return Run.create(config, resolve_model(model, config, None, source.num_classes), source,
+                      build_mode(config, plan))
 
 
 def unit_weighted(features, labels) -> tuple:

@@ -9,7 +9,7 @@ import pytest
 import tensorflow as tf
 
 import tower_train
-from helpers import make_run, synthetic_batches, weights
+from helpers import make_run, weights
 from test_weighted import CLASSES, G, LR, Tagger, series_source, token_source
 
 LAYOUTS = [("tower", (12, 2, 2), None), ("tower", (8, 2, 3), "3,1"), ("mirrored", (12, 2, 2), None)]
@@ -55,7 +55,7 @@ def one_update_equals_the_reference(model, source, mode, layout, split, referenc
                    batch_size=batch, tower_split=split, optimizer="sgd", learning_rate=LR, ema_decay=0.0)
     expected_loss, expected = reference(run.state.model, source, True)
     without_loss, without = reference(run.state.model, source, False)
-    result = run.inner.run_update(synthetic_batches(run, source))
+    result = run.inner.run_update(run.batches())
     assert result.applied and result.loss == pytest.approx(expected_loss, rel=1e-5)
     for got, want in zip(weights(run.state.model), expected, strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)

@@ -14,7 +14,7 @@ from tower_train.cluster import WorkerInfo, parse_tf_config
 from tower_train.devices import plan_devices
 from tower_train.errors import UsageError
 from tower_train.modes import fit_plan_to_mode, resolve_all_reduce
-from helpers import cross_tower_ops, make_run, read_until, synthetic_batches, weights
+from helpers import cross_tower_ops, make_run, read_until, weights
 from test_cli_errors import ROOT
 from test_train import checkpoint_values
 
@@ -74,7 +74,7 @@ def test_multi_worker_runs_one_cpu_replica_per_worker():
 def test_strategy_modes_apply_tower_modes_updates(mode):
     layout = dict(num_gpus=3, accum=2, batch_size=8, optimizer="momentum", learning_rate=0.05)
     tower, other = make_run(**layout), make_run(mode=mode, **layout)
-    tower_batches, other_batches = synthetic_batches(tower), synthetic_batches(other)
+    tower_batches, other_batches = tower.batches(), other.batches()
     for update in range(3):
         tower_loss = tower.inner.run_update(tower_batches).loss
         other_loss = other.inner.run_update(other_batches).loss
@@ -92,9 +92,9 @@ def test_mirrored_micro_steps_that_do_not_update_run_no_all_reduce():
     finish = run.inner.finish.get_concrete_function(*spec).graph
     apply = run.inner.apply.get_concrete_function(tf.TensorSpec([], tf.float32)).graph
     num_variables = len(run.state.model.trainable_variables)
-    assert cross_tower_ops(accumulate, run.tower_devices) == []
-    assert len(cross_tower_ops(finish, run.tower_devices)) < num_variables  # two scalars only
-    assert len(cross_tower_ops(apply, run.tower_devices)) >= num_variables
+    assert cross_tower_ops(accumulate, run.mode.plan.tower_devices) == []
+    assert len(cross_tower_ops(finish, run.mode.plan.tower_devices)) < num_variables  # two scalars only
+    assert len(cross_tower_ops(apply, run.mode.plan.tower_devices)) >= num_variables
 
 
 def free_port():

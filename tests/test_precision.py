@@ -12,7 +12,7 @@ import keras
 import numpy as np
 import pytest
 
-from helpers import make_run, synthetic_batches, weights
+from helpers import make_run, weights
 from test_cli_errors import run_cli
 import test_traffic  # noqa: F401 (registers test_traffic_probe: Dense, BN, Dense)
 import tower_train.models as models
@@ -28,7 +28,7 @@ def first_update_delta(**layout) -> tuple[list[np.ndarray], object]:
     """The change of every weight in the first update of a run, and the run."""
     run = make_run(**layout)
     before = weights(run.state.model)
-    assert run.inner.run_update(synthetic_batches(run)).applied
+    assert run.inner.run_update(run.batches()).applied
     return [after - start for after, start in zip(weights(run.state.model), before)], run
 
 
@@ -55,7 +55,7 @@ def test_low_precision_towers_apply_the_float32_update_to_float32_weights(
 def test_fp16_loss_scale_moves_once_per_update_not_per_micro_step(monkeypatch):
     monkeypatch.setattr(LossScale, "GROWTH_UPDATES", 2)
     run = make_run(precision="fp16", num_gpus=2, accum=3, **SGD)
-    batches = synthetic_batches(run)
+    batches = run.batches()
     scale = run.state.loss_scale
     scale.value.assign(2.0 ** 8)  # low enough that this model's float16 gradients do not overflow
     assert run.inner.run_update(batches).applied
@@ -73,7 +73,7 @@ def optimizer_state(run) -> list[np.ndarray]:
 def test_fp16_overflow_skips_the_update_everywhere_and_halves_the_scale(mode):
     layout = dict(mode=mode, num_gpus=2, accum=2, precision="fp16", **{**SGD, "optimizer": "momentum"})
     run, reference = make_run(**layout), make_run(**layout)
-    stream = synthetic_batches(run)
+    stream = run.batches()
     batches = [next(stream), next(stream)]
     scale = run.state.loss_scale
     # The scaled loss stays finite in float32, but its gradient overflows float16 in the towers.
@@ -134,7 +134,7 @@ def trained(run, updates: int = 3) -> list[np.ndarray]:
     """The weights and BN statistics after `updates` updates, each applied."""
     if run.state.loss_scale is not None:
         run.state.loss_scale.value.assign(2.0 ** 8)  # low enough that no float16 gradient overflows
-    batches = synthetic_batches(run)
+    batches = run.batches()
     for _ in range(updates):
         assert run.inner.run_update(batches).applied
     return weights(run.state.model) + [np.asarray(v) for v in run.state.model.non_trainable_variables]

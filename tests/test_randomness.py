@@ -11,7 +11,7 @@ import tensorflow as tf
 import tower_train
 from tower_train.models import TowerModel
 from tower_train.towers import pass_seeds, seed_generator_states
-from helpers import make_run, synthetic_batches, weights
+from helpers import make_run, weights
 from test_train import checkpoint_values
 
 
@@ -80,7 +80,7 @@ def test_the_randomness_is_active_and_no_generator_moves():
     states = [np.asarray(tf.convert_to_tensor(v)) for v in noisy.state.model.seed_states]
     assert len(states) == 2  # Dropout's and Jitter's
     for run in (noisy, quiet):
-        batches = synthetic_batches(run)
+        batches = run.batches()
         for _ in range(2):
             run.inner.run_update(batches)
     difference = max(np.abs(n - q).max() for n, q in zip(weights(noisy.state.model), weights(quiet.state.model)))
@@ -95,7 +95,7 @@ def test_mirrored_draws_what_tower_mode_draws_for_the_same_shard():
     tower, mirrored = make_run(model=NoisyNet, **LAYOUT), make_run(model=NoisyNet, mode="mirrored", **LAYOUT)
     quiet = make_run(model=quiet_net, **LAYOUT)
     for run in (tower, mirrored, quiet):
-        batches = synthetic_batches(run)
+        batches = run.batches()
         for _ in range(2):
             run.inner.run_update(batches)
 

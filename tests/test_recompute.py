@@ -15,7 +15,7 @@ import tower_train.models as models
 from tower_train.errors import UsageError
 from tower_train.model_spec import check_training_pass
 from tower_train.towers import tower_loss_and_gradients
-from helpers import make_run, synthetic_batches, weights
+from helpers import make_run, weights
 from test_cli_errors import run_cli
 
 
@@ -99,7 +99,7 @@ def test_tower_mode_trains_the_same_weights_with_recompute(name):
     for recompute in (False, True):
         run = make_run(model=name, num_gpus=2, accum=2, batch_size=4, optimizer="sgd",
                        learning_rate=0.1, ema_decay=0.0, recompute=recompute)
-        batches = synthetic_batches(run)
+        batches = run.batches()
         for _ in range(2):
             assert run.inner.run_update(batches).applied
         trained[recompute] = weights(run.state.model), values(run.state.model.non_trainable_variables)

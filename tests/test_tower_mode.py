@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tower_train.devices import canonical_device
+from tower_train.devices import OneDevice, canonical_device
 from tower_train.inner_step import Decision
 from tower_train.tower_mode import TowerStep
 from tower_train.update_rule import LossScale, UpdateRule
@@ -59,7 +59,7 @@ def accumulators(step: TowerStep) -> list[np.ndarray]:
 def test_one_update_of_two_micro_steps_is_one_plain_sgd_step_on_the_concatenated_batch(
         shard_sizes, tower_weights):
     rule = make_rule()
-    step = TowerStep(rule, TOWERS, PARAM_DEVICE, 2, shard_sizes, tower_weights=tower_weights)
+    step = TowerStep(rule, TOWERS, OneDevice(PARAM_DEVICE), 2, shard_sizes, tower_weights=tower_weights)
     assert step.copies_weights == (tower_weights == "per_update")
     batches = micro_batches(shard_sizes, 2)
     expected_loss, expected = plain_sgd_step(rule.model, batches)
@@ -77,7 +77,7 @@ def test_one_update_of_two_micro_steps_is_one_plain_sgd_step_on_the_concatenated
 def test_accumulate_adds_each_towers_sums_on_its_device_and_update_clears_them():
     shard_sizes = (3, 2)
     rule = make_rule()
-    step = TowerStep(rule, TOWERS, PARAM_DEVICE, 2, shard_sizes)
+    step = TowerStep(rule, TOWERS, OneDevice(PARAM_DEVICE), 2, shard_sizes)
     first, last = micro_batches(shard_sizes, 2, seed=1)
     roles = step.variable_roles()
     num_variables = len(rule.model.trainable_variables)
@@ -105,7 +105,7 @@ def test_an_update_of_total_weight_0_moves_no_weight_slot_counter_or_statistic()
     shard_sizes = (2, 2)
     rule = make_rule(optimizer=keras.optimizers.SGD(LR, momentum=0.9), normalized=True,
                      loss_scale=True)
-    step = TowerStep(rule, TOWERS, PARAM_DEVICE, 2, shard_sizes)
+    step = TowerStep(rule, TOWERS, OneDevice(PARAM_DEVICE), 2, shard_sizes)
     assert step.run_update(iter(micro_batches(shard_sizes, 2, seed=2))).applied
     everything = lambda: values([*rule.model.variables, *rule.optimizer.variables, rule.step,
                                  rule.loss_scale.value, rule.loss_scale.good_updates])
@@ -131,7 +131,7 @@ def test_an_update_of_total_weight_0_moves_no_weight_slot_counter_or_statistic()
 def test_a_non_finite_update_is_refused_as_an_overflow_of_the_loss_scale():
     shard_sizes = (2, 2)
     rule = make_rule(loss_scale=True)
-    step = TowerStep(rule, TOWERS, PARAM_DEVICE, 2, shard_sizes)
+    step = TowerStep(rule, TOWERS, OneDevice(PARAM_DEVICE), 2, shard_sizes)
     batches = micro_batches(shard_sizes, 2, seed=5)
     batches[0][0][3, 1] = np.nan  # one feature of tower 1's first shard
     batches[0][2][3] = 1.0
@@ -162,7 +162,7 @@ def function_name(concrete) -> str:
 def test_traced_update_lists_each_function_of_an_update_with_its_calls(accum, tower_weights, expected):
     rule = make_rule()
     # Tower 0 shares the parameter device, so only tower 1 ever keeps a copy of the weights.
-    step = TowerStep(rule, (PARAM_DEVICE, TOWERS[0]), PARAM_DEVICE, accum, (2, 2),
+    step = TowerStep(rule, (PARAM_DEVICE, TOWERS[0]), OneDevice(PARAM_DEVICE), accum, (2, 2),
                      tower_weights=tower_weights)
     spec = (tf.TensorSpec([4, FEATURES], tf.float32), tf.TensorSpec([4], tf.int32),
             tf.TensorSpec([4], tf.float32))
@@ -180,7 +180,7 @@ def test_bf16_transfer_rounds_each_remote_towers_gradient_sum_once_and_nothing_e
     rounded to bfloat16, not from the float32 sums."""
     shard_sizes = (3, 2)
     rule = make_rule()
-    step = TowerStep(rule, (PARAM_DEVICE, TOWERS[0]), PARAM_DEVICE, 2, shard_sizes,
+    step = TowerStep(rule, (PARAM_DEVICE, TOWERS[0]), OneDevice(PARAM_DEVICE), 2, shard_sizes,
                      transfer_dtype="bfloat16")
     batches = micro_batches(shard_sizes, 2, seed=6)
     per_batch = [shard_sums(rule.model, batch, shard_sizes) for batch in batches]

@@ -6,7 +6,7 @@ import tensorflow as tf
 
 from tower_train.devices import canonical_device
 from tower_train.towers import combine_gradients
-from helpers import cross_tower_ops, make_run, synthetic_batches, weights
+from helpers import cross_tower_ops, make_run, weights
 
 LR = 0.1
 
@@ -65,7 +65,7 @@ def test_weights_depend_only_on_the_examples_not_on_the_layout():
     for batch, num_gpus, accum in layouts:
         run = make_run(batch_size=batch, num_gpus=num_gpus, accum=accum, optimizer="sgd",
                         learning_rate=LR)
-        batches = synthetic_batches(run)
+        batches = run.batches()
         trajectories[batch, num_gpus, accum] = []
         for _ in range(3):
             run.inner.run_update(batches)
@@ -88,14 +88,14 @@ def test_every_variable_lives_on_the_parameter_device(ps_device, expected):
     for v in variables + [run.state.step, run.state.examples_seen]:
         device = v.value.device if isinstance(v, keras.Variable) else v.device
         assert canonical_device(device) == canonical_device(expected), v.name
-    for device, sums in zip(run.tower_devices, run.inner._sums, strict=True):  # but each tower's sums
+    for device, sums in zip(run.mode.plan.tower_devices, run.inner._sums, strict=True):  # but each tower's sums
         assert {canonical_device(s.device) for s in sums.gradient_variables + sums.scalar_variables} == {
             canonical_device(device)}
 
 
 def test_apply_runs_once_per_update_and_steps_count_updates():
     run = make_run(num_gpus=2, accum=4, batch_size=4, optimizer="momentum")
-    batches = synthetic_batches(run)
+    batches = run.batches()
     for _ in range(3):
         run.inner.run_update(batches)
     assert run.state.step.numpy() == 3
@@ -110,13 +110,13 @@ def test_micro_steps_that_do_not_update_move_no_gradient_across_devices():
             tf.TensorSpec([12], tf.float32))
     accumulate = run.inner.accumulate.get_concrete_function(*spec).graph
     update = run.inner.update.get_concrete_function(*spec).graph
-    param = canonical_device(run.param_device)
+    param = canonical_device(run.mode.plan.param_device)
 
-    assert cross_tower_ops(accumulate, run.tower_devices) == []
+    assert cross_tower_ops(accumulate, run.mode.plan.tower_devices) == []
     assert [op.name for op in accumulate.get_operations()
             if op.device and canonical_device(op.device) == param] == []
 
-    reductions = cross_tower_ops(update, run.tower_devices)
+    reductions = cross_tower_ops(update, run.mode.plan.tower_devices)
     num_variables = len(run.state.model.trainable_variables)
     assert len(reductions) >= num_variables  # one per variable (plus the loss)
     assert {canonical_device(op.device) for op in reductions} == {param}

@@ -13,7 +13,7 @@ import tower_train.models as models
 from tower_train.config import TrainConfig
 from tower_train.errors import UsageError
 from tower_train.traffic import count_traffic, device_name
-from helpers import make_run, synthetic_batches, weights
+from helpers import make_run, weights
 
 TOWERS, BATCH, CHANNELS = 2, 4, 6
 FEATURES = (24, 24, 3)  # the embedded data set's
@@ -59,7 +59,7 @@ def test_tower_mode_moves_the_weights_once_per_update_whatever_k(accum, tower_we
     model = run.state.model
     micro = TOWERS * BATCH
     traffic = count_traffic(run.inner.traced_update(batch_spec(micro)), run.inner.variable_roles(),
-                            run.param_device)
+                            run.mode.plan.param_device)
     p = size_in_bytes(model.trainable_variables)
     assert p == 4 * (int(np.prod(FEATURES)) * CHANNELS + CHANNELS + 2 * CHANNELS + CHANNELS * 10 + 10)
     assert traffic.copied["weights"] == weight_fetches * TOWERS * p
@@ -89,8 +89,9 @@ def test_mirrored_moves_no_weights_and_reduces_the_gradients_through_the_host():
     # copy, and only its value is fetched.
     assert traffic.copied["weights"] == 0 and traffic.copied["other"] > 0
     # one_device: every replica's gradient sum to the host and the sum back, plus the three
-    # scalars (loss sum, weight sum, non-finite count) of each replica's part of finish's sum.
-    assert traffic.copied["gradients"] == 2 * TOWERS * p + TOWERS * 3 * 4
+    # scalars (loss sum, weight sum, non-finite count) of each replica's part of finish's sum,
+    # and their sum once more, to the first copy of the weights, where the update is decided.
+    assert traffic.copied["gradients"] == 2 * TOWERS * p + TOWERS * 3 * 4 + 3 * 4
     assert sum(traffic.collective.values()) == 0  # no collective op: the reduction is by copies
 
 
@@ -100,7 +101,7 @@ def test_per_update_copies_give_the_same_updates_and_are_not_checkpointed(tmp_pa
         run = make_run(model="test_traffic_probe", num_gpus=TOWERS, accum=3, batch_size=BATCH,
                        optimizer="sgd", learning_rate=0.1, tower_weights=tower_weights)
         assert run.inner.copies_weights == (tower_weights == "per_update")
-        batches = synthetic_batches(run)
+        batches = run.batches()
         for _ in range(2):
             assert run.inner.run_update(batches).applied
         trained[tower_weights] = weights(run.state.model) + [
@@ -120,11 +121,11 @@ def test_the_counts_are_what_the_runtime_sends():
     runs = run.inner.traced_update(batch_spec(TOWERS * BATCH))  # traced, not yet run
     context.context().enable_run_metadata()  # before the first call: partitioning is recorded then
     try:
-        run.inner.run_update(synthetic_batches(run))
+        run.inner.run_update(run.batches())
         metadata = context.context().export_run_metadata()
     finally:
         context.context().disable_run_metadata()
-    param = device_name(run.param_device)
+    param = device_name(run.mode.plan.param_device)
     sent = {"to the parameter device": 0, "from the parameter device": 0}
     for function in metadata.function_graphs:
         names = {node.name for node in function.pre_optimization_graph.node}
@@ -142,7 +143,7 @@ def test_the_counts_are_what_the_runtime_sends():
                 sent["from the parameter device"] += tensor.shape.num_elements() * tensor.dtype.size
             elif target == param:
                 sent["to the parameter device"] += tensor.shape.num_elements() * tensor.dtype.size
-    counted = count_traffic(runs, run.inner.variable_roles(), run.param_device).copied
+    counted = count_traffic(runs, run.inner.variable_roles(), run.mode.plan.param_device).copied
     assert sent["from the parameter device"] == counted["weights"] + counted["statistics"] // 2
     assert sent["to the parameter device"] == counted["gradients"] + counted["statistics"] // 2
 
@@ -187,7 +188,7 @@ def test_16_bit_transfers_halve_the_weight_and_gradient_bytes(precision, transfe
                    precision=precision, transfer_precision=transfer_precision)
     model = run.state.model
     traffic = count_traffic(run.inner.traced_update(batch_spec(TOWERS * BATCH)), run.inner.variable_roles(),
-                            run.param_device)
+                            run.mode.plan.param_device)
     p = size_in_bytes(model.trainable_variables)
     bn = size_in_bytes(model.bn.trainable_variables)  # gamma and beta: BN reads them in float32
     # Under a 16-bit precision the Dense layers' weights travel in it, BN's in float32.

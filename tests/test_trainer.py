@@ -23,6 +23,7 @@ from tower_train.config import TrainConfig
 from tower_train.errors import Stopped, TrainingError
 from tower_train.inner_step import Decision, UpdateResult
 from tower_train.models import TowerModel
+from tower_train.run import TrainState
 from tower_train.schedules import MovingAverage
 from tower_train.stop_signals import StopSignals
 from tower_train.update_rule import LossScale
@@ -52,7 +53,7 @@ class Tiny(TowerModel):
         return self.logits(features)
 
 
-def tiny_state(fp16: bool = False) -> trainer.TrainState:
+def tiny_state(fp16: bool = False) -> TrainState:
     """A real TrainState, as small as one: a Dense(2) model, SGD with a momentum slot, the
     moving average, and fp16's loss scale when asked."""
     model = Tiny()
@@ -60,7 +61,7 @@ def tiny_state(fp16: bool = False) -> trainer.TrainState:
     optimizer = keras.optimizers.SGD(0.1, momentum=0.9)
     optimizer.build(model.trainable_variables)
     counter = dict(dtype=tf.int64, trainable=False)
-    return trainer.TrainState(model, optimizer, tf.Variable(0, **counter),
+    return TrainState(model, optimizer, tf.Variable(0, **counter),
                               tf.Variable(0, **counter),
                               MovingAverage(model.trainable_variables, 0.99),
                               LossScale() if fp16 else None)
@@ -91,7 +92,7 @@ class ScriptedStep:
     the loss scale for a refused update that had labels (an empty one never lowers it).
     `during[n]` runs inside the n-th call (a signal arriving, weights going bad, an op error)."""
 
-    def __init__(self, state: trainer.TrainState, accum: int, script: list[UpdateResult],
+    def __init__(self, state: TrainState, accum: int, script: list[UpdateResult],
                  clock: RecordingClock, during: dict[int, Callable[[], None]] | None = None):
         self.state, self.accum, self.script, self.clock = state, accum, list(script), clock
         self.during = during or {}

@@ -17,7 +17,7 @@ import tensorflow as tf
 import tower_train
 from tower_train.inner_step import Decision
 from tower_train.models import l2_loss
-from helpers import make_run, synthetic_batches, weights
+from helpers import make_run, weights
 from test_cli_errors import ROOT, run_cli
 from test_modes import kill_running, start_workers
 from test_train import checkpoint_values
@@ -107,7 +107,7 @@ def run_one_update(model, source, mode, layout, split=None):
                    batch_size=batch, tower_split=split, optimizer="sgd", learning_rate=LR,
                    ema_decay=0.0)
     expected_loss, expected = one_big_batch_step(run.state.model, source)
-    result = run.inner.run_update(synthetic_batches(run, source))
+    result = run.inner.run_update(run.batches())
     return run, result, expected_loss, expected
 
 
@@ -148,7 +148,7 @@ def test_a_mean_of_shard_means_would_be_far_off():
     _, wrong = one_big_batch_step(model, source, mean_of_shard_means)
     gap = max(np.abs(r - w).max() for r, w in zip(right, wrong))
     assert gap > 100 * 1e-5  # a hundred times the tolerance the layouts are held to
-    run.inner.run_update(synthetic_batches(run, source))
+    run.inner.run_update(run.batches())
     got = weights(model)
     assert max(np.abs(g - r).max() for g, r in zip(got, right)) < 1e-5
     assert max(np.abs(g - w).max() for g, w in zip(got, wrong)) > 100 * 1e-5
@@ -159,7 +159,7 @@ def test_an_update_whose_weights_are_all_zero_is_refused_and_changes_nothing(mod
     source = token_source()
     run = make_run(model=Tagger, source=source, mode=mode, num_gpus=2, accum=2, batch_size=4,
                    optimizer="momentum", learning_rate=LR)
-    stream = synthetic_batches(run, source)
+    stream = run.batches()
     empty = [(x, y, tf.zeros_like(w)) for x, y, w in (next(stream), next(stream))]
     before = weights(run.state.model)
     result = run.inner.run_update(iter(empty))

@@ -93,30 +93,27 @@ def compare_modes(config: TrainConfig, plan: DevicePlan, modes: list[str]) -> di
     from tower_train import datasets
     from tower_train.model_spec import resolve_model
     from tower_train.modes import build_mode
-    from tower_train.trainer import build_state
+    from tower_train.run import Run
 
     if config.deterministic:
         tf.config.experimental.enable_op_determinism()
     source = datasets.load_source(config.dataset, config.data_dir, config.augment)
     spec = resolve_model(None, config, None, source.num_classes)
-    steps, states, streams = {}, {}, {}
+    runs, streams = {}, {}
     for m in modes:
         mode_config = dataclasses.replace(config, mode=m, all_reduce="auto")
-        mode = build_mode(mode_config, plan)
-        # build_state reseeds, so every mode starts from the same weights.
-        states[m] = build_state(mode_config, spec, source, mode.variable_scope())
-        steps[m] = mode.inner_step(states[m], mode_config)
-        streams[m] = iter(source.train_stream(
-            seed=config.seed, start_position=0, micro_batch=config.batch_size * len(plan.tower_devices)))
+        # Each run is seeded alike, so every mode starts from the same weights.
+        runs[m] = Run.create(mode_config, spec, source, build_mode(mode_config, plan))
+        streams[m] = runs[m].batches()
     losses: dict[str, list[float]] = {m: [] for m in modes}
     seconds: dict[str, list[float]] = {m: [] for m in modes}
     for _ in range(config.max_steps):
         for m in modes:
             start = time.perf_counter()
-            losses[m].append(steps[m].run_update(streams[m]).loss)  # reading it waits for the device
+            losses[m].append(runs[m].inner.run_update(streams[m]).loss)  # reading it waits for the device
             seconds[m].append(time.perf_counter() - start)
     return {m: ModeRun(m, losses[m], seconds[m],
-                       [v.numpy() for v in states[m].model.trainable_variables])
+                       [v.numpy() for v in runs[m].state.model.trainable_variables])
             for m in modes}
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import shutil
 import subprocess
+from typing import ContextManager, Protocol
 
 from tower_train.errors import UsageError
 
@@ -189,3 +190,53 @@ def canonical_device(device: str) -> str:
 
     spec = tf.DeviceSpec.from_string(device)
     return f"{spec.device_type}:{spec.device_index}"
+
+
+class Placement(Protocol):
+    """Where a run's variables live: the scope they are created in, and the device that holds
+    each one (and runs its reduction and update)."""
+
+    def scope(self) -> ContextManager:
+        """Variables created inside are placed by this placement."""
+
+    def device_of(self, variable) -> str:
+        """The device that holds `variable` (the first copy, for a mirrored one)."""
+
+    def describe(self) -> str:
+        """Where the variables are, as the layout line says it."""
+
+
+@dataclasses.dataclass(frozen=True)
+class OneDevice:
+    """Every variable on one device: tower mode's parameter device."""
+
+    device: str
+
+    def scope(self) -> ContextManager:
+        import tensorflow as tf
+
+        return tf.device(self.device)
+
+    def device_of(self, variable) -> str:
+        return self.device
+
+    def describe(self) -> str:
+        return self.device
+
+
+@dataclasses.dataclass(frozen=True)
+class StrategyPlacement:
+    """A tf.distribute strategy's placement: its scope puts each variable where the strategy
+    keeps it, on `parameter_device`, or on every replica when that is None (mirrored)."""
+
+    strategy: object  # tf.distribute.Strategy
+    parameter_device: str | None
+
+    def scope(self) -> ContextManager:
+        return self.strategy.scope()
+
+    def device_of(self, variable) -> str:
+        return self.parameter_device or variable.device
+
+    def describe(self) -> str:
+        return self.parameter_device or "every replica (mirrored)"

@@ -1,24 +1,30 @@
-"""The training modes: which strategy (if any) holds the variables and runs the inner step.
+"""The training modes, one `Mode` subclass per --mode: which strategy (if any) holds the
+variables, where they live (a `devices.Placement`) and which inner step runs the updates.
 
-- `tower`: the classic pattern, no strategy: variables on the parameter
+- `TowerMode` (`tower`): the classic pattern, no strategy: variables on the parameter
   device, towers placed by hand (`tower_mode.TowerStep`).
-- `mirrored`: `tf.distribute.MirroredStrategy` over the same tower devices.
-- `multi_worker`: `tf.distribute.MultiWorkerMirroredStrategy`, from TF_CONFIG or Slurm (`--cluster`).
-- `central_storage`: `tf.distribute.experimental.CentralStorageStrategy`, TF's
-  own variables-on-one-device strategy, over the same towers and parameter device.
+- `MirroredMode` (`mirrored`): `tf.distribute.MirroredStrategy` over the same tower devices.
+- `MultiWorkerMode` (`multi_worker`): `tf.distribute.MultiWorkerMirroredStrategy`, from
+  TF_CONFIG or Slurm (`--cluster`).
+- `CentralStorageMode` (`central_storage`): `tf.distribute.experimental.CentralStorageStrategy`,
+  TF's own variables-on-one-device strategy, over the same towers and parameter device.
 
 All four apply the same update: the gradient of the weighted mean loss over the G examples
-(`strategy_mode` for the three strategies).
+(`strategy_mode` for the three strategies). What each allows is `config.MODE_RULES`.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import ContextManager
+from typing import TYPE_CHECKING, ClassVar, ContextManager
 
 from tower_train.cluster import SINGLE_PROCESS, WorkerInfo, strategy_resolver
-from tower_train.config import DTYPES, MODE_RULES, TrainConfig
-from tower_train.devices import HOST_DEVICE, DevicePlan, device_span, plan_devices
+from tower_train.config import DTYPES, MODE_RULES, ModeRules, TrainConfig
+from tower_train.devices import (HOST_DEVICE, DevicePlan, OneDevice, Placement, StrategyPlacement, device_span,
+                                 plan_devices)
 from tower_train.errors import UsageError
+
+if TYPE_CHECKING:
+    from tower_train.inner_step import InnerStep
 
 
 def fit_plan_to_mode(mode: str, plan: DevicePlan) -> DevicePlan:
@@ -41,59 +47,66 @@ def fit_plan_to_mode(mode: str, plan: DevicePlan) -> DevicePlan:
 def resolve_all_reduce(mode: str, choice: str, plan: DevicePlan) -> str:
     """The concrete cross-device reduction for `--all_reduce=choice` (already valid for `mode`).
 
-    NCCL needs real, whole GPUs; on logical GPUs split from one, or on CPUs,
-    MirroredStrategy reduces to one device and MultiWorkerMirroredStrategy
-    uses ring collectives.
+    NCCL needs real, whole GPUs; on logical GPUs split from one, or on CPUs, each mode's
+    `auto_all_reduce` picks its reduction without it.
     """
     whole_gpus = plan.split == "none" and plan.tower_devices[0].startswith("/gpu")
     if choice == "nccl" and not whole_gpus:
         raise UsageError("--all_reduce=nccl: needs one physical GPU per tower; "
                          f"this run's towers are {plan.tower_devices[0]}.. ({plan.split} split)")
-    if choice != "auto":
-        return choice
-    if mode == "mirrored":
-        return "nccl" if whole_gpus else "one_device"
-    if mode == "multi_worker":
-        return "nccl" if whole_gpus else "ring"
-    return "parameter_device"
+    return MODES[mode].auto_all_reduce(whole_gpus) if choice == "auto" else choice
 
 
-@dataclasses.dataclass
+def check_jit_compile(mode: str, plan: DevicePlan) -> None:
+    """XLA compiles a tower for its own device and cannot read variables held on another one
+    (tensorflow.org/xla/known_issues), so it needs each tower to hold the variables it reads."""
+    if not MODE_RULES[mode].mirrors_variables and set(plan.tower_devices) != {plan.param_device}:
+        raise UsageError(f"--jit_compile: XLA cannot read the variables on {plan.param_device} from "
+                         f"towers on {device_span(plan.tower_devices)} (--mode={mode}); use --mode=mirrored, "
+                         "or one tower on the parameter device (--num_gpus=1 --ps_device=gpu)")
+
+
 class Mode:
-    """How a run places its variables and runs its updates."""
+    """How a run places its variables and runs its updates: one subclass per --mode, which owns
+    its strategy (none in tower mode), its default reduction and its inner step. What each mode
+    allows is `config.MODE_RULES[name]`, which the options' checks read before TensorFlow loads."""
 
-    name: str
-    plan: DevicePlan
-    all_reduce: str
-    strategy: object | None  # tf.distribute.Strategy; None in tower mode
-    worker: WorkerInfo
-    _vote: object | None = dataclasses.field(default=None, repr=False)  # the compiled any_worker
+    name: ClassVar[str]
+
+    def __init__(self, config: TrainConfig, plan: DevicePlan, worker: WorkerInfo):
+        """Creates the mode's strategy; call it before any other TF op runs."""
+        if config.jit_compile:
+            check_jit_compile(self.name, plan)
+        self.plan, self.worker = plan, worker
+        self.all_reduce = resolve_all_reduce(self.name, config.all_reduce, plan)
+        self.placement = self._placement(config)
+        self._vote = None  # the compiled any_worker
+
+    @staticmethod
+    def auto_all_reduce(whole_gpus: bool) -> str:
+        """The reduction of --all_reduce=auto, with or without one whole GPU per tower."""
+        raise NotImplementedError
+
+    def _placement(self, config: TrainConfig) -> Placement:
+        raise NotImplementedError
+
+    def inner_step(self, state, config: TrainConfig) -> InnerStep:
+        """The `InnerStep` whose `run_update(batches)` applies one update of config.accum
+        micro-steps: clipped to --clip_norm, each tower's share as --tower_split says, compiled
+        with XLA under --jit_compile."""
+        raise NotImplementedError
+
+    @property
+    def rules(self) -> ModeRules:
+        return MODE_RULES[self.name]
+
+    @property
+    def strategy(self):  # tf.distribute.Strategy | None
+        return None
 
     def variable_scope(self) -> ContextManager:
         """Where the model, optimizer and counters are created."""
-        import tensorflow as tf
-
-        return self.strategy.scope() if self.strategy else tf.device(self.plan.param_device)
-
-    def inner_step(self, state, config: TrainConfig, tower=None):
-        """The `InnerStep` whose `run_update(batches)` applies one update of config.accum
-        micro-steps: clipped to --clip_norm, each tower's share as --tower_split says, compiled
-        with XLA under --jit_compile, tower mode's weights fetched as --tower_weights says and its
-        gradient sums sent in --transfer_precision. `tower` replaces tower mode's tower function
-        (the benchmark's simulated slow device)."""
-        rule = state.update_rule(config.clip_norm)
-        accum, jit_compile = config.accum, config.jit_compile
-        if self.strategy is None:
-            from tower_train.tower_mode import TowerStep
-
-            return TowerStep(rule, self.plan.tower_devices, self.plan.param_device, accum,
-                             config.tower_shard_sizes, jit_compile, tower, config.tower_weights,
-                             DTYPES[config.transfer_precision])
-        from tower_train.strategy_mode import StrategyStep
-
-        return StrategyStep(self.strategy, rule, accum,
-                            first_replica=self.worker.index * len(self.plan.tower_devices),
-                            jit_compile=jit_compile)
+        return self.placement.scope()
 
     def any_worker(self, flag: bool) -> bool:
         """True on every worker if `flag` is True on any: a scalar all-reduce, only in multi_worker."""
@@ -111,47 +124,119 @@ class Mode:
 
     @property
     def variables_on(self) -> str:
-        if MODE_RULES[self.name].mirrors_variables:
-            return "every replica (mirrored)"
-        return self.plan.param_device
+        return self.placement.describe()
 
 
-def check_jit_compile(mode: str, plan: DevicePlan) -> None:
-    """XLA compiles a tower for its own device and cannot read variables held on another one
-    (tensorflow.org/xla/known_issues), so it needs each tower to hold the variables it reads."""
-    if not MODE_RULES[mode].mirrors_variables and set(plan.tower_devices) != {plan.param_device}:
-        raise UsageError(f"--jit_compile: XLA cannot read the variables on {plan.param_device} from "
-                         f"towers on {device_span(plan.tower_devices)} (--mode={mode}); use --mode=mirrored, "
-                         "or one tower on the parameter device (--num_gpus=1 --ps_device=gpu)")
+class TowerMode(Mode):
+    """The classic pattern: no strategy, the variables on the parameter device, the towers
+    placed by hand (`tower_mode.TowerStep`), reduced on the parameter device."""
+
+    name = "tower"
+
+    @staticmethod
+    def auto_all_reduce(whole_gpus: bool) -> str:
+        return "parameter_device"
+
+    def _placement(self, config: TrainConfig) -> Placement:
+        return OneDevice(self.plan.param_device)
+
+    def inner_step(self, state, config: TrainConfig) -> InnerStep:
+        """Also: tower mode's weights fetched as --tower_weights says and its gradient sums sent
+        in --transfer_precision."""
+        from tower_train.tower_mode import TowerStep
+
+        return TowerStep(state.update_rule(config.clip_norm), self.plan.tower_devices, self.placement,
+                         config.accum, config.tower_shard_sizes, config.jit_compile, config.tower_weights,
+                         DTYPES[config.transfer_precision])
 
 
-def build_mode(config: TrainConfig, plan: DevicePlan, worker: WorkerInfo = SINGLE_PROCESS) -> Mode:
-    """Creates the strategy for `config.mode`; call it before any other TF op runs."""
-    import tensorflow as tf
+class _StrategyMode(Mode):
+    """A tf.distribute strategy holds the variables and runs `strategy_mode.StrategyStep`."""
 
-    if config.jit_compile:
-        check_jit_compile(config.mode, plan)
-    all_reduce = resolve_all_reduce(config.mode, config.all_reduce, plan)
-    if config.mode == "tower":
-        strategy = None
-    elif config.mode == "mirrored":
+    def _placement(self, config: TrainConfig) -> Placement:
+        return StrategyPlacement(self._make_strategy(config),
+                                 None if self.rules.mirrors_variables else self.plan.param_device)
+
+    def _make_strategy(self, config: TrainConfig):
+        raise NotImplementedError
+
+    @property
+    def strategy(self):
+        return self.placement.strategy
+
+    def inner_step(self, state, config: TrainConfig) -> InnerStep:
+        from tower_train.strategy_mode import StrategyStep
+
+        return StrategyStep(self.strategy, state.update_rule(config.clip_norm), config.accum,
+                            first_replica=self.worker.index * len(self.plan.tower_devices),
+                            jit_compile=config.jit_compile)
+
+
+class MirroredMode(_StrategyMode):
+    """`tf.distribute.MirroredStrategy` over the same tower devices."""
+
+    name = "mirrored"
+
+    @staticmethod
+    def auto_all_reduce(whole_gpus: bool) -> str:
+        return "nccl" if whole_gpus else "one_device"
+
+    def _make_strategy(self, config: TrainConfig):
+        import tensorflow as tf
+
         cross_device_ops = {
             "nccl": lambda: tf.distribute.NcclAllReduce(),
             "hierarchical_copy": lambda: tf.distribute.HierarchicalCopyAllReduce(),
             "one_device": lambda: tf.distribute.ReductionToOneDevice(reduce_to_device=HOST_DEVICE),
-        }[all_reduce]()
-        strategy = tf.distribute.MirroredStrategy(list(plan.tower_devices),
-                                                  cross_device_ops=cross_device_ops)
-    elif config.mode == "central_storage":
-        strategy = tf.distribute.experimental.CentralStorageStrategy(
-            list(plan.tower_devices), parameter_device=plan.param_device)
-    else:
+        }[self.all_reduce]()
+        return tf.distribute.MirroredStrategy(list(self.plan.tower_devices), cross_device_ops=cross_device_ops)
+
+
+class CentralStorageMode(_StrategyMode):
+    """`tf.distribute.experimental.CentralStorageStrategy`, TF's own variables-on-one-device
+    strategy, over the same towers and parameter device."""
+
+    name = "central_storage"
+
+    @staticmethod
+    def auto_all_reduce(whole_gpus: bool) -> str:
+        return "parameter_device"
+
+    def _make_strategy(self, config: TrainConfig):
+        import tensorflow as tf
+
+        return tf.distribute.experimental.CentralStorageStrategy(
+            list(self.plan.tower_devices), parameter_device=self.plan.param_device)
+
+
+class MultiWorkerMode(_StrategyMode):
+    """`tf.distribute.MultiWorkerMirroredStrategy`, one process per worker, from TF_CONFIG or
+    Slurm (`--cluster`)."""
+
+    name = "multi_worker"
+
+    @staticmethod
+    def auto_all_reduce(whole_gpus: bool) -> str:
+        return "nccl" if whole_gpus else "ring"
+
+    def _make_strategy(self, config: TrainConfig):
+        import tensorflow as tf
+
         implementation = (tf.distribute.experimental.CommunicationImplementation.NCCL
-                          if all_reduce == "nccl"
+                          if self.all_reduce == "nccl"
                           else tf.distribute.experimental.CommunicationImplementation.RING)
-        gpus = len(plan.tower_devices) if plan.tower_devices[0].startswith("/gpu") else 0
-        strategy = tf.distribute.MultiWorkerMirroredStrategy(
-            cluster_resolver=strategy_resolver(worker, gpus),
+        gpus = len(self.plan.tower_devices) if self.plan.tower_devices[0].startswith("/gpu") else 0
+        return tf.distribute.MultiWorkerMirroredStrategy(
+            cluster_resolver=strategy_resolver(self.worker, gpus),
             communication_options=tf.distribute.experimental.CommunicationOptions(
                 implementation=implementation, timeout_seconds=config.collective_timeout))
-    return Mode(config.mode, plan, all_reduce, strategy, worker)
+
+
+MODES: dict[str, type[Mode]] = {mode.name: mode for mode in (TowerMode, MirroredMode, CentralStorageMode,
+                                                             MultiWorkerMode)}
+assert MODES.keys() == MODE_RULES.keys(), "every --mode has its rules and its class"
+
+
+def build_mode(config: TrainConfig, plan: DevicePlan, worker: WorkerInfo = SINGLE_PROCESS) -> Mode:
+    """The mode `config.mode` names, its strategy created; call it before any other TF op runs."""
+    return MODES[config.mode](config, plan, worker)

@@ -163,9 +163,10 @@ class StrategyStep:
         # regularization would bring the weights it reads there (3.8 MB per update for cifar10_cnn).
         with tf.device(self._strategy.extended.parameter_devices[0]):
             regularization = self._rule.model.update_regularization()
-        mean_loss = tf.math.divide_no_nan(loss_sum, total_weight) + regularization + tf.add_n([0.0, *batch_loss])
-        finite = tf.equal(nonfinite, 0.0) & tf.math.is_finite(mean_loss)
-        return mean_loss, total_weight, self._rule.decide(total_weight, finite, mean_loss)
+            mean_loss = (tf.math.divide_no_nan(loss_sum, total_weight) + regularization
+                         + tf.add_n([0.0, *batch_loss]))
+            finite = tf.equal(nonfinite, 0.0) & tf.math.is_finite(mean_loss)
+            return mean_loss, total_weight, self._rule.decide(total_weight, finite, mean_loss)
 
     def _replica_scalars(self) -> tf.Tensor:
         sums = self._sums

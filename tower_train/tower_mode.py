@@ -58,13 +58,13 @@ device.
 """
 from __future__ import annotations
 
-from typing import Callable, Iterator, Mapping, Sequence
+from typing import Iterator, Mapping, Sequence
 
 import tensorflow as tf
 
-from tower_train.devices import canonical_device
+from tower_train.devices import OneDevice, canonical_device
 from tower_train.inner_step import Batch, BatchSpec, Decision, UpdateResult
-from tower_train.towers import (TowerResult, combine_gradients, labels_per_shard, pass_seeds,
+from tower_train.towers import (combine_gradients, labels_per_shard, pass_seeds,
                                 read_in_compute_dtype, regularization_gradients, run_on_towers,
                                 seed_generator_states, split_batch, tower_function)
 from tower_train.update_rule import TrainingStatistics, UpdateRule
@@ -74,20 +74,20 @@ from tower_train.update_sums import UpdateSums
 class TowerStep:
     """The inner step of tower mode for one model, optimizer and device layout."""
 
-    def __init__(self, rule: UpdateRule, tower_devices: Sequence[str], param_device: str, accum: int,
-                 shard_sizes: Sequence[int], jit_compile: bool = False,
-                 tower: Callable[..., TowerResult] | None = None, tower_weights: str = "per_update",
+    def __init__(self, rule: UpdateRule, tower_devices: Sequence[str], placement: OneDevice, accum: int,
+                 shard_sizes: Sequence[int], jit_compile: bool = False, tower_weights: str = "per_update",
                  transfer_dtype: str = "float32"):
-        """`tower`: the tower function, by default `tower_function` of the rule's model; the
-        benchmark passes one that simulates a slower device. `tower_weights`: "per_update" or
-        "per_micro_step" (`TrainConfig.tower_weights`). `transfer_dtype`: the dtype the towers'
-        gradient sums cross devices in (float32, bfloat16 or float16)."""
+        """`placement`: where the rule's variables live (the parameter device), which also holds
+        the update's counters and decides it. `tower_weights`: "per_update" or "per_micro_step"
+        (`TrainConfig.tower_weights`). `transfer_dtype`: the dtype the towers' gradient sums cross
+        devices in (float32, bfloat16 or float16)."""
         model = rule.model
-        self._tower = tower or tower_function(model, rule.loss_scale, jit_compile)
+        self._tower = tower_function(model, rule.loss_scale, jit_compile)
         self._rule = rule
         self._devices = tuple(tower_devices)
         self._shard_sizes = tuple(shard_sizes)  # examples of each tower per micro-step
-        self._param_device = param_device
+        self._placement = placement
+        param_device = self._param_device = placement.device
         self._accum = accum
         self._examples_per_update = sum(shard_sizes) * accum  # G
         # Per tower: whether it is on another device than the variables, so that what it reads
@@ -165,11 +165,13 @@ class TowerStep:
 
     def _sent_weights(self) -> list:
         """The trainable weights as they travel to the towers: the variables themselves, or, where
-        a tower reads one in the compute dtype, its value cast to that on the parameter device."""
+        a tower reads one in the compute dtype, its value cast to that on the device holding it."""
         model = self._rule.model
-        with tf.device(self._param_device):
-            return [tf.cast(v, model.compute_dtype) if narrow else v
-                    for v, narrow in zip(model.trainable_variables, self._narrow_weights, strict=True)]
+        sent = []
+        for v, narrow in zip(model.trainable_variables, self._narrow_weights, strict=True):
+            with tf.device(self._placement.device_of(v)):
+                sent.append(tf.cast(v, model.compute_dtype) if narrow else v)
+        return sent
 
     def _towers(self, batch: Batch) -> list:
         weights = list(self._weight_copies)

@@ -1,7 +1,7 @@
-"""Training: the state a checkpoint holds, and the outer loop (`Controller`) around a mode's inner step.
+"""Training: the outer loop (`Controller`) around a mode's inner step.
 
-`train` puts the pieces together: the mode's strategy, the state built in its
-scope, the checkpoints, the example stream, then the Controller, which runs
+`train` puts the pieces together: the run (`run.Run`: the state built in the
+mode's scope, its inner step and stream), the checkpoints, then the Controller, which runs
 updates until --max_steps and around each one applies the policies (refused
 updates, stop signals), saves checkpoints and calls its hooks (progress and
 TensorBoard, held-out evaluation). The inner step,
@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import itertools
 import signal
 import time
-from typing import Callable, ContextManager, Iterator, Protocol, Sequence
+from typing import Callable, Iterator, Protocol, Sequence
 
 import keras
 import tensorflow as tf
@@ -31,61 +30,14 @@ from tower_train.errors import Stopped, TrainingError, UsageError, op_error_text
 from tower_train.evaluation import Evaluation, check_metrics_against, evaluate
 from tower_train.export import export_saved_model
 from tower_train.inner_step import Batch, Decision, InnerStep, UpdateResult
-from tower_train.model_spec import ModelSpec, build_model, users_network
-from tower_train.models import TowerModel
+from tower_train.model_spec import ModelSpec, users_network
 from tower_train.modes import Mode
 from tower_train.progress import Progress, Summaries, new_history
-from tower_train.schedules import MovingAverage, UpdateSchedule, scaled_rate, updates_per_decay
+from tower_train.run import Run, TrainState
 from tower_train.stop_signals import StopSignals
-from tower_train.update_rule import LossScale, UpdateRule
 from tower_train.user_code import UserCodeError, call_user_code
 
-_MOMENTUM = 0.9  # the usual value for --optimizer=momentum
 LONG_UPDATE_NOTE = 10.0  # seconds: an update that takes longer says how far it is, this often
-
-
-@dataclasses.dataclass
-class TrainState:
-    """Everything a checkpoint holds: resuming needs no more than this."""
-
-    model: TowerModel
-    optimizer: keras.optimizers.Optimizer
-    step: tf.Variable  # updates applied (int64)
-    examples_seen: tf.Variable  # position in the example stream (int64), so resuming continues it
-    moving_average: MovingAverage | None  # of the trainable weights; None with --ema_decay=0
-    loss_scale: LossScale | None = None  # only with --precision=fp16
-
-    def checkpoint(self) -> tf.train.Checkpoint:
-        optional = {"moving_average": self.moving_average, "loss_scale": self.loss_scale}
-        kept = {name: value for name, value in optional.items() if value is not None}
-        return tf.train.Checkpoint(model=self.model, optimizer=self.optimizer, step=self.step,
-                                   examples_seen=self.examples_seen, **kept)
-
-    def update_rule(self, clip_norm: float | None) -> UpdateRule:
-        return UpdateRule(self.model, self.optimizer, self.step, clip_norm, self.moving_average,
-                          self.loss_scale)
-
-    @functools.cached_property
-    def all_finite(self) -> Callable[[], bool]:
-        """A function saying whether every float value the checkpoint would hold is finite, built
-        and traced once for the state (the restore and every update call it).
-
-        An update with a finite loss and gradient can still leave inf or NaN behind (a huge
-        learning rate, an optimizer's moments overflowing); this is what keeps such weights out
-        of every checkpoint. One reduction over the state, run after each update."""
-        floats = [v for v in self.checkpoint_variables() if tf.as_dtype(v.dtype).is_floating]
-
-        @tf.function
-        def all_finite() -> tf.Tensor:
-            return tf.reduce_all(tf.stack([tf.reduce_all(tf.math.is_finite(v)) for v in floats]))
-
-        return lambda: bool(all_finite())
-
-    def checkpoint_variables(self) -> list:
-        variables = [*self.model.variables, *self.optimizer.variables]
-        if self.moving_average is not None:
-            variables += self.moving_average.averages
-        return variables
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,57 +58,6 @@ class TrainResult:
     model: keras.Model
     # This call's logged quantities, a list per key, as Keras's History.history (progress.py).
     history: dict[str, list[float]]
-
-
-def make_optimizer(config: TrainConfig, global_batch: int,
-                   train_examples: int | None) -> keras.optimizers.Optimizer:
-    """The optimizer, its rate a schedule of the update index (`optimizer.iterations`).
-
-    `global_batch` is G over all workers: it scales the rate (--scale_lr) and counts epochs.
-    """
-    if config.lr_schedule == "exponential" and not train_examples:
-        raise UsageError("--lr_schedule=exponential: counts epochs, but the data set does not say "
-                         "how many training examples it has; give the source a train_size, or use "
-                         "--lr_schedule=cosine or constant")
-    rate = UpdateSchedule(
-        scaled_rate(config.learning_rate, global_batch, config.scale_lr), config.lr_schedule,
-        config.warmup_steps, updates_per_decay(train_examples or 1, global_batch), config.max_steps)
-    if config.optimizer == "adam":
-        return keras.optimizers.Adam(rate)
-    return keras.optimizers.SGD(rate, momentum=_MOMENTUM if config.optimizer == "momentum" else 0.0)
-
-
-def build_state(config: TrainConfig, spec: ModelSpec, source: Source, variable_scope: ContextManager,
-                workers: int = 1) -> TrainState:
-    """A fresh model, optimizer, counters and moving average, every variable created inside
-    `variable_scope` (a device scope for tower mode, a strategy's scope otherwise).
-
-    An update consumes G = config.global_batch x workers examples; the source's epoch
-    length sets the exponential schedule.
-    """
-    keras.utils.set_random_seed(config.seed)
-    counter = dict(dtype=tf.int64, trainable=False,
-                   aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
-    with variable_scope:
-        model = build_model(spec, source, config, training=True)
-        optimizer = make_optimizer(config, config.global_batch * workers, source.train_size)
-        optimizer.build(model.trainable_variables)
-        step = tf.Variable(0, name="step", **counter)
-        examples_seen = tf.Variable(0, name="examples_seen", **counter)
-        moving_average = (MovingAverage(model.trainable_variables, config.ema_decay)
-                          if config.ema_decay else None)
-        loss_scale = LossScale() if config.precision == "fp16" else None
-    return TrainState(model, optimizer, step, examples_seen, moving_average, loss_scale)
-
-
-def describe_layout(config: TrainConfig, mode: Mode) -> str:
-    plan = mode.plan
-    shards = (config.batch_size if config.tower_split is None
-              else "/".join(map(str, config.tower_shard_sizes)) + f" (--tower_split={config.tower_split})")
-    return (f"mode={config.mode} ({mode.all_reduce} reduction), {len(plan.tower_devices)} tower(s) "
-            f"on {', '.join(plan.tower_devices)}, variables on {mode.variables_on}, "
-            f"batch per tower {shards}, accum {config.accum}, "
-            f"global batch G = {config.global_batch * mode.worker.count}")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -434,7 +335,8 @@ def _train(config: TrainConfig, spec: ModelSpec, source: Source, mode: Mode, wat
                                 config.optimizer, global_batch, config.ema_decay > 0)
     checkpoints.check_same_run(config.train_dir, record)
     with watchdog.local_work():  # building and restoring: TF's collective timeout covers their waits
-        state = build_state(config, spec, source, mode.variable_scope(), worker.count)
+        run = Run.create(config, spec, source, mode)
+        state = run.state
         check_metrics_against(metrics, state.model, source)
         log("%s", plan.message)
         checkpoint = state.checkpoint()
@@ -443,12 +345,8 @@ def _train(config: TrainConfig, spec: ModelSpec, source: Source, mode: Mode, wat
         latest = writer.restore(state.all_finite)
     if latest:
         log("resumed from %s at step %d", latest, _value(state.step))
-    inner = mode.inner_step(state, config)
-    batches = iter(call_user_code(lambda: source.train_stream(
-        seed=config.seed, start_position=_value(state.examples_seen),
-        micro_batch=config.batch_size * len(plan.tower_devices),
-        shard_index=worker.index, num_shards=worker.count), f"{source.name}: preprocess"))
-    log("%s", describe_layout(config, mode))
+    batches = call_user_code(run.batches, f"{source.name}: preprocess")
+    log("%s", run.describe_layout())
     summaries = Summaries(config.train_dir if worker.is_chief else None)
     history = new_history([metric.name for metric in metrics])
     hooks: list[Hook] = [Progress(config, global_batch, _value(state.step), summaries, log,
@@ -459,7 +357,7 @@ def _train(config: TrainConfig, spec: ModelSpec, source: Source, mode: Mode, wat
                                     history, metrics))
     keras_callbacks = (KerasCallbacks(callbacks, users_network(state.model), history)
                        if callbacks else None)
-    controller = Controller(config, state, inner, batches, writer, hooks, global_batch, log, stop,
+    controller = Controller(config, state, run.inner, batches, writer, hooks, global_batch, log, stop,
                             mode.any_worker, watchdog, source.describe_error, keras_callbacks)
     if stop is not None:
         stop.listen(config.stop_grace_period, config.train_dir)

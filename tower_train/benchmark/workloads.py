@@ -8,11 +8,12 @@ import functools
 import time
 from typing import TYPE_CHECKING, Callable
 
-from tower_train.benchmark.names import BenchConfig
+from tower_train.benchmark.names import MODE_KINDS, BenchConfig
 from tower_train.config import HAND_PLACED_MODE, TrainConfig
 
 if TYPE_CHECKING:
     from tower_train.devices import DevicePlan
+    from tower_train.run import TrainState
     from tower_train.traffic import Traffic
 
 
@@ -36,14 +37,15 @@ class Workload:
 def build_workload(bench: BenchConfig, config: TrainConfig, plan: DevicePlan,
                    slow_tower_ms: float = 0.0) -> Workload:
     """A fresh model and optimizer (seeded by --seed) training as `bench` says; in tower mode,
-    tower 0 waits `slow_tower_ms` per example of its shard (`slowed_first_tower`)."""
+    tower 0 waits `slow_tower_ms` per example of its shard (`slow_first_tower`)."""
     import numpy as np
     import tensorflow as tf
 
     from tower_train import datasets
     from tower_train.devices import parameter_device
     from tower_train.model_spec import resolve_model
-    from tower_train.trainer import TrainState, build_state
+    from tower_train.modes import build_mode
+    from tower_train.run import Run, TrainState
 
     config = dataclasses.replace(config, batch_size=bench.batch_size, accum=bench.accum,
                                  tower_split=bench.tower_split)
@@ -77,15 +79,16 @@ def build_workload(bench: BenchConfig, config: TrainConfig, plan: DevicePlan,
                                  source.label_spec.dtype)
             weights = tf.ones(labels.shape, tf.float32)
         dataset = tf.data.Dataset.from_tensors((features, labels, weights)).repeat()
-    builder = {"plain": _plain, "keras_fit": _keras_fit}.get(
-        bench.kind, functools.partial(_mode, slow_tower_ms=slow_tower_ms))
-    built = []  # the state the builder makes: what each device holds is read from it
-
-    def new_state(scope) -> TrainState:
-        built.append(build_state(config, spec, source, scope))
-        return built[-1]
-
-    run, inner = builder(config, plan, dataset, new_state, source.train_size)
+    if bench.kind in MODE_KINDS:
+        training = Run.create(config, spec, source, build_mode(config, plan))
+        state, inner = training.state, training.inner
+        if slow_tower_ms > 0 and config.mode_rules.places_towers:
+            slow_first_tower(state.model, slow_tower_ms)
+        run = _updates(inner, dataset)
+    else:
+        state = TrainState.create(config, spec, source, tf.device(plan.param_device))
+        run, inner = {"plain": _plain, "keras_fit": _keras_fit}[bench.kind](
+            config, plan, dataset, state, source.train_size)
     batch_spec = tuple(tf.TensorSpec([micro, *s.shape[1:]], s.dtype) for s in dataset.element_spec)
 
     def traffic() -> Traffic:
@@ -98,7 +101,6 @@ def build_workload(bench: BenchConfig, config: TrainConfig, plan: DevicePlan,
     def state_bytes() -> dict[str, int]:
         from tower_train.traffic import state_bytes_per_device
 
-        state = built[0]
         loss_scale = state.loss_scale
         return state_bytes_per_device([
             *state.model.variables, *state.optimizer.variables, state.step, state.examples_seen,
@@ -179,41 +181,32 @@ def _pipeline_of(source, seed: int):
                          name=f"{source.name} as a tf.data pipeline")
 
 
-def slowed_first_tower(state, config: TrainConfig, ms_per_example: float):
-    """Tower mode's tower function, but tower 0 (the one under run_on_towers' name scope
-    "tower_0") also waits `ms_per_example` milliseconds per example of its shard, in a sleep
-    that holds no core: a device slower than the others, as an older GPU beside newer ones."""
+def slow_first_tower(model, ms_per_example: float) -> None:
+    """Makes tower 0 of `model`'s passes (the one under run_on_towers' name scope "tower_0") also
+    wait `ms_per_example` milliseconds per example of its shard, in a sleep that holds no core:
+    a device slower than the others, as an older GPU beside newer ones. The wait is in the
+    model's loss, so the tower's gradient waits too."""
     import tensorflow as tf
 
-    from tower_train.towers import tower_function
-
-    tower = tower_function(state.model, state.loss_scale, config.jit_compile)
+    per_example_loss = model.per_example_loss
 
     def wait(seconds: tf.Tensor) -> tf.Tensor:
         time.sleep(float(seconds))
         return seconds
 
-    def slowed(features, labels, weights, *copies_and_seeds):
-        result = tower(features, labels, weights, *copies_and_seeds)
+    def slowed(labels: tf.Tensor, logits: tf.Tensor) -> tf.Tensor:
+        losses = per_example_loss(labels, logits)
         if "tower_0" not in tf.get_current_name_scope().split("/"):
-            return result
+            return losses
         delay = tf.cast(tf.shape(labels)[0], tf.float32) * (ms_per_example / 1000.0)
         with tf.control_dependencies([tf.py_function(wait, [delay], tf.float32)]):
-            return tf.nest.map_structure(lambda t: t if t is None else tf.identity(t), result)
+            return tf.identity(losses)
 
-    return slowed
+    model.per_example_loss = slowed
 
 
-def _mode(config: TrainConfig, plan: DevicePlan, dataset, new_state: Callable,
-          train_examples: int | None, slow_tower_ms: float = 0.0) -> tuple[Callable[[int], float], object]:
-    """tower_pscpu, tower_psgpu, mirrored, central_storage: the trainer's own inner step, which
-    is returned too."""
-    from tower_train.modes import build_mode
-
-    mode = build_mode(config, plan)
-    state = new_state(mode.variable_scope())
-    slow = slow_tower_ms > 0 and config.mode_rules.places_towers
-    inner = mode.inner_step(state, config, slowed_first_tower(state, config, slow_tower_ms) if slow else None)
+def _updates(inner, dataset) -> Callable[[int], float]:
+    """`run(n)`: the seconds n updates of a mode's inner step take on `dataset`."""
     batches = iter(dataset)
 
     def run(updates: int) -> float:
@@ -222,10 +215,10 @@ def _mode(config: TrainConfig, plan: DevicePlan, dataset, new_state: Callable,
             inner.run_update(batches)  # its result is read: waits for the update
         return time.perf_counter() - start
 
-    return run, inner
+    return run
 
 
-def _plain(config: TrainConfig, plan: DevicePlan, dataset, new_state: Callable,
+def _plain(config: TrainConfig, plan: DevicePlan, dataset, state: TrainState,
            train_examples: int | None) -> tuple[Callable[[int], float], None]:
     """One GradientTape step on the parameter device over all G examples, with the same
     update-boundary work (regularization, clip, apply, count, average) as the towers'."""
@@ -233,7 +226,6 @@ def _plain(config: TrainConfig, plan: DevicePlan, dataset, new_state: Callable,
 
     from tower_train.towers import regularization_gradients, tower_loss_and_gradients
 
-    state = new_state(tf.device(plan.param_device))
     rule = state.update_rule(config.clip_norm)
     whole_batches = iter(dataset.batch(config.accum).map(
         lambda *parts: tuple(tf.reshape(p, [-1, *p.shape[2:]]) for p in parts)))
@@ -261,16 +253,15 @@ def _plain(config: TrainConfig, plan: DevicePlan, dataset, new_state: Callable,
     return run, None
 
 
-def _keras_fit(config: TrainConfig, plan: DevicePlan, dataset, new_state: Callable,
+def _keras_fit(config: TrainConfig, plan: DevicePlan, dataset, state: TrainState,
                train_examples: int | None) -> tuple[Callable[[int], float], None]:
     """What a user would pick instead: Keras's own train step and gradient accumulation, on
     the same network, loss, optimizer and schedule, fed the micro-batch of all towers."""
     import keras
     import tensorflow as tf
 
-    from tower_train.trainer import make_optimizer
+    from tower_train.run import make_optimizer
 
-    state = new_state(tf.device(plan.param_device))
     net = state.model
 
     class FitModel(keras.Model):
