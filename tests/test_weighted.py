@@ -6,8 +6,6 @@ examples of the update, loss = sum(w * loss) / sum(w) + regularization, then pla
 """
 import inspect
 import re
-import subprocess
-import sys
 
 import keras
 import numpy as np
@@ -18,7 +16,7 @@ import tower_train
 from tower_train.inner_step import Decision
 from tower_train.models import l2_loss
 from helpers import make_run, weights
-from test_cli_errors import ROOT, run_cli
+from test_cli_errors import run_cli
 from test_modes import kill_running, start_workers
 from test_train import checkpoint_values
 
@@ -246,20 +244,6 @@ def test_two_workers_with_unequal_token_counts_apply_tower_modes_weighted_update
     # The logged losses agree too: the weighted mean over both workers' tokens.
     losses = [re.findall(r"step \d+, loss = ([\d.]+) \(", log) for log in (logs[0][1], tower.stderr)]
     assert losses[0] == losses[1] and len(losses[0]) == 3
-
-
-def test_the_normalization_command_measures_the_mean_of_means_error():
-    def run(*args):
-        result = subprocess.run([sys.executable, "-m", "tower_train.normalization", "--updates=1", *args],
-                                capture_output=True, text=True, cwd=ROOT, timeout=300)
-        assert result.returncode == 0, result.stderr[-3000:]
-        return float(re.search(r"relative error of the mean of means ([\d.]+)", result.stdout)[1])
-
-    # One label per example, all weighing 1: the two normalizations are the same.
-    assert run("--num_gpus=2", "--batch_size=4", "--accum=2") == 0.0
-    # Padded sequences of 7 to 47 real tokens in shards of 2: far apart.
-    assert run("--model=tiny_transformer", "--dataset=markov_text", "--num_gpus=2",
-               "--batch_size=2", "--accum=2") > 0.01
 
 
 def test_a_stream_whose_weights_are_all_zero_stops_after_max_skipped_updates(tmp_path):
