@@ -9,6 +9,8 @@ import pytest
 import tensorflow as tf
 
 import tower_train
+from tower_train import api
+from tower_train.config import TrainConfig
 from test_cli_errors import run_cli
 
 
@@ -146,6 +148,47 @@ def test_bad_input_to_fit_is_one_usage_error_line_and_writes_nothing(tmp_path, a
         tower_train.fit(train_dir=str(train_dir), num_gpus=2, max_steps=1, **arguments)
     assert message in str(error.value) and "\n" not in str(error.value), error.value
     assert not train_dir.exists()
+
+
+def test_registered_names_go_into_the_config_and_objects_come_back_as_given():
+    options = {"train_dir": "/unused", "batch_size": 4}
+    config, model, data = api.config_and_objects("tiny_transformer", "markov_text", options)
+    assert (config.model, config.dataset, config.batch_size, model, data) == (
+        "tiny_transformer", "markov_text", 4, None, None)
+    source = arrays()
+    config, model, data = api.config_and_objects(FiveLogits, source, {"train_dir": "/unused"})
+    assert (config.model, config.dataset, model, data) == ("cifar10_cnn", "synthetic", FiveLogits, source)
+
+
+X, Y = np.zeros((4, 3), np.float32), np.arange(4)
+DATA_CASES = [
+    (dict(data=tf.data.Dataset.range(3)), "data=_RangeDataset: expected a tower_train.ArraySource, "
+     "TFRecordSource, DatasetSource or another tower_train.data.Source, or numpy arrays (x, y) or "
+     "(x, y, w) (or leave it out and name --dataset) (wrap a tf.data pipeline as "
+     "DatasetSource(train=lambda: ...), unbatched)"),
+    (dict(data=arrays(), data_dir="/data"),
+     "data_dir: is for a named --dataset; data=arrays was given as a source (augment in its preprocess)"),
+    (dict(data=(X, Y), data_module="my_data"),
+     "data_module: is for a named --dataset; data=arrays was given as a source (augment in its preprocess)"),
+    (dict(data=(X,)), "data=: expected a tuple (x, y) or (x, y, w) of numpy arrays, got tuple of 1"),
+    (dict(data=(X, Y), eval_data=[X, Y]), "eval_data=: expected a tuple (x, y) or (x, y, w) of numpy "
+                                           "arrays, got list"),
+    (dict(data=(X, Y), shuffle=1), "shuffle=1: must be True or False"),
+    (dict(data=None, eval_data=(X, Y)), "eval_data=: is for data=(x, y) or (x, y, w) numpy arrays; "
+     "data=None (a --dataset) is not (a source has its own held-out set and shuffling: "
+     "ArraySource(eval_features=..., shuffle=...))"),
+]
+
+
+@pytest.mark.parametrize("arguments,message", DATA_CASES, ids=[m[:40] for _, m in DATA_CASES])
+def test_bad_data_arguments_are_one_usage_error_line(arguments, message):
+    """`array_source` then `check_data`, as fit calls them, before anything is loaded."""
+    options = dict(arguments)
+    data, eval_data, shuffle = (options.pop(key, None) for key in ("data", "eval_data", "shuffle"))
+    config = TrainConfig(train_dir="/unused", **options)
+    with pytest.raises(tower_train.UsageError) as error:
+        api.check_data(config, api.array_source(data, eval_data, shuffle, None))
+    assert str(error.value) == message
 
 
 def test_a_train_dir_of_another_run_is_refused_naming_a_fresh_one(tmp_path):

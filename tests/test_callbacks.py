@@ -7,6 +7,7 @@ import logging
 import math
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import keras
 import numpy as np
@@ -14,6 +15,7 @@ import pytest
 import tensorflow as tf
 
 import tower_train
+from tower_train.callbacks import KerasCallbacks
 
 CLASSES, FEATURES, EXAMPLES = 3, 6, 48
 LR = 0.1
@@ -72,6 +74,52 @@ class Recorder(keras.callbacks.Callback):
 
     def indices(self, kind):
         return [call[1] for call in self.calls if call[0] == kind]
+
+
+class StopsAt(keras.callbacks.Callback):
+    """Asks to stop after update `step`."""
+
+    def __init__(self, step):
+        super().__init__()
+        self.step = step
+
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == self.step:
+            self.model.stop_training = True
+
+
+class AlsoStopsAt(StopsAt):
+    pass
+
+
+def test_keras_callbacks_tell_each_update_and_each_new_evaluation_once_and_name_the_first_stop():
+    """A run resumed after update 2 (whose evaluation a callback heard before), then updates 3
+    and 4 with an evaluation after each; the Controller's calls made here by hand."""
+    model, recorder = network(), Recorder()
+    model.stop_training = True  # left by an earlier run: training begins without it
+    history = {"step": [2], "loss": [0.75], "learning_rate": [0.25], "val_step": [2],
+               "val_precision": [0.25], "val_loss": [1.5]}
+    told = KerasCallbacks([recorder, StopsAt(4), AlsoStopsAt(4)], model, history)
+    assert recorder.model is model
+    told.train_begin()
+    assert not told.stop_asked
+    state = SimpleNamespace(optimizer=keras.optimizers.SGD(0.25))
+    for step, loss, precision, held_out_loss in ((3, 0.5, 0.5, 1.25), (4, 0.375, 0.75, 1.0)):
+        told.update_begin(step)
+        history["val_step"].append(step)  # the evaluation hook ran before the callbacks' hook
+        history["val_precision"].append(precision)
+        history["val_loss"].append(held_out_loss)
+        told.after_update(SimpleNamespace(step=step, loss=loss, state=state))
+        assert told.stop_asked == (step == 4)
+    told.train_end()
+    assert recorder.calls == [
+        ("train_begin",),
+        ("batch_begin", 3), ("batch_end", 3, {"loss": 0.5, "learning_rate": 0.25}),
+        ("epoch_end", 3, {"val_precision": 0.5, "val_loss": 1.25}),
+        ("batch_begin", 4), ("batch_end", 4, {"loss": 0.375, "learning_rate": 0.25}),
+        ("epoch_end", 4, {"val_precision": 0.75, "val_loss": 1.0}),
+        ("train_end",)]
+    assert told.stopped_by == "callback StopsAt.on_train_batch_end"
 
 
 class Lines(logging.Handler):

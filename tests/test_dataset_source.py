@@ -8,8 +8,9 @@ import pytest
 import tensorflow as tf
 
 import tower_train
-from keras_reference import (CLASSES, EXAMPLES, SGD_OPTIONS, UPDATES, arrays, assert_same_weights, functional,
-                             keras_fit, sequential, with_weights)
+from tower_train.dataset_source import DatasetSource
+from keras_reference import (CLASSES, EXAMPLES, FEATURES, SGD_OPTIONS, UPDATES, arrays, assert_same_weights,
+                             functional, keras_fit, sequential, with_weights)
 
 
 def in_order() -> tf.data.Dataset:
@@ -90,6 +91,29 @@ def test_the_stream_is_the_pipelines_order_cut_the_same_by_any_batch_resume_or_s
     interleaved = np.stack([s.reshape(5, 4) for s in shards], axis=1).reshape(-1)
     np.testing.assert_array_equal(interleaved, labels[30:70])
     assert (source.num_classes, source.train_size) == (CLASSES, EXAMPLES)
+
+
+def test_held_out_examples_are_read_once_in_order_count_toward_the_classes_and_are_checked():
+    held_x = np.arange(10 * FEATURES, dtype=np.float32).reshape(10, FEATURES)
+    held_y = np.array([0, 1, 2, 3, 4, 0, 1, 2, 3, 4])  # 3 and 4 only here: train's labels are 0..2
+    held_w = np.array([0, 1, 2, 0, 1, 2, 0, 1, 2, 5])  # integers, handed over as float32
+
+    def held_out():
+        return tf.data.Dataset.from_tensor_slices((held_x, held_y, held_w))
+
+    source = DatasetSource(train=in_order, eval=held_out)
+    assert arrays()[1].max() == CLASSES - 1
+    assert (source.num_classes, source.train_size) == (5, EXAMPLES)
+    batches = list(source.eval_batches(4).as_numpy_iterator())
+    assert [len(labels) for _, labels, _ in batches] == [4, 4, 2]
+    features, labels, weights = (np.concatenate(part) for part in zip(*batches))
+    np.testing.assert_array_equal(features, held_x)
+    assert labels.dtype == np.int32 and labels.tolist() == held_y.tolist()
+    assert weights.dtype == np.float32 and weights.tolist() == held_w.tolist()
+    assert list(DatasetSource(train=in_order).eval_batches(4).as_numpy_iterator()) == []  # no eval=
+    # Told 3 classes, it finds label 3 as it reads.
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"dataset: eval\(\) has a label outside 0\.\.2"):
+        list(DatasetSource(train=in_order, eval=held_out, num_classes=3).eval_batches(4).as_numpy_iterator())
 
 
 def infinite():
