@@ -11,9 +11,10 @@ import pytest
 import tensorflow as tf
 
 from tower_train.cluster import WorkerInfo, parse_tf_config
-from tower_train.devices import plan_devices
+from tower_train.config import TrainConfig
+from tower_train.devices import canonical_device, plan_devices
 from tower_train.errors import UsageError
-from tower_train.modes import fit_plan_to_mode, resolve_all_reduce
+from tower_train.modes import MODES, build_mode, fit_plan_to_mode, resolve_all_reduce
 from helpers import cross_tower_ops, make_run, read_until, weights
 from test_cli_errors import ROOT
 from test_train import checkpoint_values
@@ -46,6 +47,24 @@ def test_bad_tf_config_is_one_line_naming_the_fault(text, expected):
     with pytest.raises(UsageError, match=expected) as error:
         parse_tf_config(text)
     assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("mode, holder", [("tower", "CPU:0"), ("central_storage", "CPU:0"), ("mirrored", None)])
+def test_a_mode_creates_variables_where_its_placement_says(mode, holder):
+    plan = plan_devices(2, "cpu", num_physical_gpus=0)  # towers /cpu:1, /cpu:2; parameters /cpu:0
+    built = build_mode(TrainConfig(train_dir="/unused", mode=mode, num_gpus=2), plan)
+    with built.variable_scope():
+        variable = tf.Variable(tf.zeros([3]))
+
+    assert type(built) is MODES[mode] and (built.strategy is None) == (mode == "tower")
+    if holder is not None:
+        assert canonical_device(variable.device) == canonical_device(built.placement.device_of(variable)) == holder
+        assert built.variables_on == "/cpu:0"
+    else:  # a copy on every tower; the first is the one device_of names
+        copies = built.strategy.experimental_local_results(variable)
+        assert [canonical_device(c.device) for c in copies] == ["CPU:1", "CPU:2"]
+        assert canonical_device(built.placement.device_of(variable)) == "CPU:1"
+        assert built.variables_on == "every replica (mirrored)"
 
 
 def test_all_reduce_choice_follows_the_devices():

@@ -112,7 +112,7 @@ def test_an_update_of_total_weight_0_moves_nothing_on_any_replica():
     assert step.run_update(iter(micro_batches((2, 2), 2, seed=4))).applied  # and it trains on
 
 
-def test_a_non_finite_update_is_refused_as_an_overflow_of_the_loss_scale():
+def test_a_non_finite_update_is_refused_and_halves_the_loss_scale():
     step, rule = make_step(loss_scale=True)
     batches = micro_batches((2, 2), 2, seed=5)
     batches[1][0][3, 1] = np.nan  # one feature of replica 1's shard of the last micro-step
@@ -127,6 +127,22 @@ def test_a_non_finite_update_is_refused_as_an_overflow_of_the_loss_scale():
             np.testing.assert_array_equal(g, w)
     assert float(rule.loss_scale.value.numpy()) == LossScale.INITIAL / 2
     assert_cleared(step)
+
+
+def test_an_update_whose_loss_is_not_finite_only_through_the_regularization_is_refused():
+    # As in tower mode: every sum and gradient stays finite (tanh saturates; the decay's gradient
+    # is 1e18), but the L2 term of a 1e20 weight is inf, and so is the update's loss.
+    step, rule = make_step()
+    kernel = rule.model.hidden.kernel
+    kernel.assign(tf.tensor_scatter_nd_update(tf.convert_to_tensor(kernel), [[0, 0]], [1e20]))
+    before = everything(rule)
+
+    result = step.run_update(iter(micro_batches((2, 2), 2, seed=6)))
+
+    assert result.decision == Decision.NONFINITE and result.loss == np.inf
+    for got, want in zip(everything(rule), before, strict=True):
+        for g, w in zip(got, want, strict=True):
+            np.testing.assert_array_equal(g, w)
 
 
 def function_name(concrete) -> str:

@@ -128,7 +128,7 @@ def test_an_update_of_total_weight_0_moves_no_weight_slot_counter_or_statistic()
     assert step.run_update(iter(micro_batches(shard_sizes, 2, seed=4))).applied  # and it trains on
 
 
-def test_a_non_finite_update_is_refused_as_an_overflow_of_the_loss_scale():
+def test_a_non_finite_update_is_refused_and_halves_the_loss_scale():
     shard_sizes = (2, 2)
     rule = make_rule(loss_scale=True)
     step = TowerStep(rule, TOWERS, OneDevice(PARAM_DEVICE), 2, shard_sizes)
@@ -145,6 +145,23 @@ def test_a_non_finite_update_is_refused_as_an_overflow_of_the_loss_scale():
         np.testing.assert_array_equal(got, want)
     assert float(rule.loss_scale.value.numpy()) == LossScale.INITIAL / 2
     assert all(not np.any(a) for a in accumulators(step))
+
+
+def test_an_update_whose_loss_is_not_finite_only_through_the_regularization_is_refused():
+    # Every sum and gradient stays finite (tanh saturates; the decay's gradient is 1e18), but the
+    # L2 term of a 1e20 weight is inf, and so is the update's loss.
+    rule = make_rule()
+    step = TowerStep(rule, TOWERS, OneDevice(PARAM_DEVICE), 2, (2, 2))
+    kernel = rule.model.hidden.kernel
+    kernel.assign(tf.tensor_scatter_nd_update(tf.convert_to_tensor(kernel), [[0, 0]], [1e20]))
+    before = values([*rule.model.variables, *rule.optimizer.variables, rule.step])
+
+    result = step.run_update(iter(micro_batches((2, 2), 2, seed=6)))
+
+    assert result.decision == Decision.NONFINITE and result.loss == np.inf
+    for got, want in zip(values([*rule.model.variables, *rule.optimizer.variables, rule.step]),
+                         before, strict=True):
+        np.testing.assert_array_equal(got, want)
 
 
 def function_name(concrete) -> str:

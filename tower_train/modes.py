@@ -77,9 +77,9 @@ class Mode:
         """Creates the mode's strategy; call it before any other TF op runs."""
         if config.jit_compile:
             check_jit_compile(self.name, plan)
-        self.plan, self.worker = plan, worker
+        self.plan, self.worker, self._config = plan, worker, config
         self.all_reduce = resolve_all_reduce(self.name, config.all_reduce, plan)
-        self.placement = self._placement(config)
+        self.placement = self._placement()
         self._vote = None  # the compiled any_worker
 
     @staticmethod
@@ -87,7 +87,7 @@ class Mode:
         """The reduction of --all_reduce=auto, with or without one whole GPU per tower."""
         raise NotImplementedError
 
-    def _placement(self, config: TrainConfig) -> Placement:
+    def _placement(self) -> Placement:
         raise NotImplementedError
 
     def inner_step(self, state, config: TrainConfig) -> InnerStep:
@@ -137,7 +137,7 @@ class TowerMode(Mode):
     def auto_all_reduce(whole_gpus: bool) -> str:
         return "parameter_device"
 
-    def _placement(self, config: TrainConfig) -> Placement:
+    def _placement(self) -> Placement:
         return OneDevice(self.plan.param_device)
 
     def inner_step(self, state, config: TrainConfig) -> InnerStep:
@@ -153,11 +153,11 @@ class TowerMode(Mode):
 class _StrategyMode(Mode):
     """A tf.distribute strategy holds the variables and runs `strategy_mode.StrategyStep`."""
 
-    def _placement(self, config: TrainConfig) -> Placement:
-        return StrategyPlacement(self._make_strategy(config),
+    def _placement(self) -> Placement:
+        return StrategyPlacement(self._make_strategy(),
                                  None if self.rules.mirrors_variables else self.plan.param_device)
 
-    def _make_strategy(self, config: TrainConfig):
+    def _make_strategy(self):
         raise NotImplementedError
 
     @property
@@ -181,7 +181,7 @@ class MirroredMode(_StrategyMode):
     def auto_all_reduce(whole_gpus: bool) -> str:
         return "nccl" if whole_gpus else "one_device"
 
-    def _make_strategy(self, config: TrainConfig):
+    def _make_strategy(self):
         import tensorflow as tf
 
         cross_device_ops = {
@@ -202,7 +202,7 @@ class CentralStorageMode(_StrategyMode):
     def auto_all_reduce(whole_gpus: bool) -> str:
         return "parameter_device"
 
-    def _make_strategy(self, config: TrainConfig):
+    def _make_strategy(self):
         import tensorflow as tf
 
         return tf.distribute.experimental.CentralStorageStrategy(
@@ -219,7 +219,7 @@ class MultiWorkerMode(_StrategyMode):
     def auto_all_reduce(whole_gpus: bool) -> str:
         return "nccl" if whole_gpus else "ring"
 
-    def _make_strategy(self, config: TrainConfig):
+    def _make_strategy(self):
         import tensorflow as tf
 
         implementation = (tf.distribute.experimental.CommunicationImplementation.NCCL
@@ -229,7 +229,7 @@ class MultiWorkerMode(_StrategyMode):
         return tf.distribute.MultiWorkerMirroredStrategy(
             cluster_resolver=strategy_resolver(self.worker, gpus),
             communication_options=tf.distribute.experimental.CommunicationOptions(
-                implementation=implementation, timeout_seconds=config.collective_timeout))
+                implementation=implementation, timeout_seconds=self._config.collective_timeout))
 
 
 MODES: dict[str, type[Mode]] = {mode.name: mode for mode in (TowerMode, MirroredMode, CentralStorageMode,

@@ -13,8 +13,8 @@ below). As in tower mode, an update of K micro-steps is K - 1 calls of
   sum(w) = W, and the count of non-finite values (a fourth for a model that
   adds losses of the batch: below), from which `UpdateRule.decide` makes the
   update's `Decision`.
-- then, from Python, `apply(W)` if that is APPLIED (W > 0 and every replica
-  finite), else `discard`. `apply`: every replica scales its local gradient
+- then, from Python, `apply(W)` if that is APPLIED (W > 0, every replica
+  finite, and so the update's loss with the regularization), else `discard`. `apply`: every replica scales its local gradient
   sum by c / W (c = labels per shard; `towers` has the math), and one all-reduce per update
   sums them: the gradient of the update's weighted mean loss, exactly what
   tower mode applies. The same all-reduce averages the replicas' BatchNorm

@@ -92,6 +92,9 @@ def _benchmark(argv: list[str]) -> int:
         raise UsageError(f"--slow_tower_ms={options['slow_tower_ms'].value}: must be a number >= 0")
     if options["slow_tower_ms"].value and measure != "time":
         raise UsageError("--slow_tower_ms: only with --measure=time")
+    if options["slow_tower_ms"].value and config.jit_compile:
+        raise UsageError("--slow_tower_ms: not with --jit_compile (XLA cannot compile the slowed "
+                         "tower's sleep)")
     link_gbps = _link_speeds(options["link_gbps"].value)
     if link_gbps and measure != "traffic":
         raise UsageError("--link_gbps: only with --measure=traffic")
