@@ -48,7 +48,9 @@ class TinyTransformer(TowerModel):
         super().__init__(num_classes, **kwargs)
         self.token_embedding = keras.layers.Embedding(num_classes, width)
         self.position_embedding = keras.layers.Embedding(max_length, width)
-        self.blocks = [_DecoderBlock(width, heads) for _ in range(layers)]
+        # Named: Keras would name them `__decoder_block`, which TensorFlow refuses as a root name
+        # scope, so a call traced outside any other scope (a plain tf.function) would fail.
+        self.blocks = [_DecoderBlock(width, heads, name=f"decoder_block_{i}") for i in range(layers)]
         self.norm = keras.layers.LayerNormalization(epsilon=1e-5)
         self.logits = keras.layers.Dense(num_classes)
 
