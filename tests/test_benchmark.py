@@ -177,7 +177,10 @@ def test_benchmark_refuses_bad_flags_in_one_line():
             (["--measure=speed"], "tower_train: error: --measure=speed: unknown; allowed: time, memory, traffic, ops"),
             (["--measure=traffic", "--link_gbps=fast"],
              "tower_train: error: --link_gbps=fast: must be numbers > 0 (gigabits per second), comma-separated"),
-            (["--link_gbps=100"], "tower_train: error: --link_gbps: only with --measure=traffic")]:
+            (["--link_gbps=100"], "tower_train: error: --link_gbps: only with --measure=traffic"),
+            (["--slow_tower_ms=5", "--jit_compile"],
+             "tower_train: error: --slow_tower_ms: not with --jit_compile (XLA cannot compile the slowed "
+             "tower's sleep)")]:
         result = benchmark(*args)
         assert result.returncode == 2
         assert result.stderr.strip().splitlines() == [line]

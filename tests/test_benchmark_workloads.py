@@ -109,6 +109,15 @@ def test_a_sequence_model_consumes_a_label_per_position():
     assert workload.read_input(2) > 0  # read from the pipeline: a second iterator, no training
 
 
+def test_the_plain_kind_trains_a_sequence_model_on_its_own():
+    # Its step traces the model outside any tower's name scope, where a Keras layer named with a
+    # leading underscore (tiny_transformer's blocks, once) is refused as a root name scope.
+    config = TrainConfig(train_dir="/unused", model="tiny_transformer", dataset="markov_text", num_gpus=TOWERS,
+                         batch_size=BATCH)
+    workload = build_workload(parse_config_name("plain_k1", BATCH), config, PLAN)
+    assert workload.run(1) > 0
+
+
 def test_a_slow_tower_ms_makes_tower_0_of_a_tower_kind_wait_per_example_of_its_shard(built, sleeps):
     workload, _ = built("tower_pscpu_k2_b2_s1-3", slow_tower_ms=5.0)
     workload.run(1)
