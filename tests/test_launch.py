@@ -168,6 +168,26 @@ def test_sigterm_to_the_launcher_stops_both_workers_saved_and_the_same_command_r
 
 
 @pytest.mark.cpu_only
+def test_a_second_signal_kills_workers_that_have_not_reached_an_update_boundary(tmp_path):
+    # Updates of 4000 micro-steps: the first signal waits for a boundary far away.
+    launcher = start_launcher("--workers=2", "--", "--num_gpus=1", "--batch_size=2", "--accum=4000",
+                              "--max_steps=10", "--stop_grace_period=600", "--collective_timeout=60",
+                              f"--train_dir={tmp_path}")
+    seen = read_until(launcher, "[worker 1/2] ", timeout=240)
+    seen += read_until(launcher, "global batch G =", timeout=240)  # the device line: training starts
+    launcher.send_signal(signal.SIGTERM)
+    seen += read_until(launcher, "SIGTERM received: passed to every worker", timeout=60)
+    launcher.send_signal(signal.SIGINT)
+    output = seen + finish(launcher, timeout=120)
+
+    assert "tower_train.launch: SIGINT received again: killing the workers" in output, output
+    assert launcher.returncode == 128 + signal.SIGKILL, output
+    assert output.strip().splitlines()[-1] == ("tower_train.launch: SIGTERM passed to the workers; their "
+                                               "exit statuses: 137 (SIGKILL), 137 (SIGKILL)")
+    assert not any(name.startswith("ckpt-") for name in os.listdir(tmp_path))  # no update was finished
+
+
+@pytest.mark.cpu_only
 def test_a_killed_worker_ends_the_launcher_within_the_collective_timeout(tmp_path):
     launcher = start_launcher("--workers=2", "--", "--num_gpus=1", "--batch_size=16",
                               "--max_steps=100000", "--log_every=1", "--collective_timeout=10",
