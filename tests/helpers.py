@@ -29,8 +29,7 @@ def make_run(model=None, source: data.Source | None = None, **overrides) -> Run:
     config = TrainConfig(**{"train_dir": "/unused", **overrides})
     source = source or datasets.load_source("synthetic", None, config.augment)
     plan = plan_devices(config.num_gpus, config.ps_device, num_physical_gpus=0)
-    return Run.create(config, resolve_model(model, config, None, source.num_classes), source,
-                      build_mode(config, plan))
+    return Run.create(resolve_model(model, config, None, source.num_classes), source, build_mode(config, plan))
 
 
 def unit_weighted(features, labels) -> tuple:

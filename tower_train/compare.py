@@ -103,7 +103,7 @@ def compare_modes(config: TrainConfig, plan: DevicePlan, modes: list[str]) -> di
     for m in modes:
         mode_config = dataclasses.replace(config, mode=m, all_reduce="auto")
         # Each run is seeded alike, so every mode starts from the same weights.
-        runs[m] = Run.create(mode_config, spec, source, build_mode(mode_config, plan))
+        runs[m] = Run.create(spec, source, build_mode(mode_config, plan))
         streams[m] = runs[m].batches()
     losses: dict[str, list[float]] = {m: [] for m in modes}
     seconds: dict[str, list[float]] = {m: [] for m in modes}

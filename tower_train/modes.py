@@ -77,7 +77,7 @@ class Mode:
         """Creates the mode's strategy; call it before any other TF op runs."""
         if config.jit_compile:
             check_jit_compile(self.name, plan)
-        self.plan, self.worker, self._config = plan, worker, config
+        self.config, self.plan, self.worker = config, plan, worker
         self.all_reduce = resolve_all_reduce(self.name, config.all_reduce, plan)
         self.placement = self._placement()
         self._vote = None  # the compiled any_worker
@@ -90,8 +90,8 @@ class Mode:
     def _placement(self) -> Placement:
         raise NotImplementedError
 
-    def inner_step(self, state, config: TrainConfig) -> InnerStep:
-        """The `InnerStep` whose `run_update(batches)` applies one update of config.accum
+    def inner_step(self, state) -> InnerStep:
+        """The `InnerStep` of `state` whose `run_update(batches)` applies one update of config.accum
         micro-steps: clipped to --clip_norm, each tower's share as --tower_split says, compiled
         with XLA under --jit_compile."""
         raise NotImplementedError
@@ -140,11 +140,12 @@ class TowerMode(Mode):
     def _placement(self) -> Placement:
         return OneDevice(self.plan.param_device)
 
-    def inner_step(self, state, config: TrainConfig) -> InnerStep:
+    def inner_step(self, state) -> InnerStep:
         """Also: tower mode's weights fetched as --tower_weights says and its gradient sums sent
         in --transfer_precision."""
         from tower_train.tower_mode import TowerStep
 
+        config = self.config
         return TowerStep(state.update_rule(config.clip_norm), self.plan.tower_devices, self.placement,
                          config.accum, config.tower_shard_sizes, config.jit_compile, config.tower_weights,
                          DTYPES[config.transfer_precision])
@@ -164,9 +165,10 @@ class _StrategyMode(Mode):
     def strategy(self):
         return self.placement.strategy
 
-    def inner_step(self, state, config: TrainConfig) -> InnerStep:
+    def inner_step(self, state) -> InnerStep:
         from tower_train.strategy_mode import StrategyStep
 
+        config = self.config
         return StrategyStep(self.strategy, state.update_rule(config.clip_norm), config.accum,
                             first_replica=self.worker.index * len(self.plan.tower_devices),
                             jit_compile=config.jit_compile)
@@ -229,7 +231,7 @@ class MultiWorkerMode(_StrategyMode):
         return tf.distribute.MultiWorkerMirroredStrategy(
             cluster_resolver=strategy_resolver(self.worker, gpus),
             communication_options=tf.distribute.experimental.CommunicationOptions(
-                implementation=implementation, timeout_seconds=self._config.collective_timeout))
+                implementation=implementation, timeout_seconds=self.config.collective_timeout))
 
 
 MODES: dict[str, type[Mode]] = {mode.name: mode for mode in (TowerMode, MirroredMode, CentralStorageMode,

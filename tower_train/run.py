@@ -115,25 +115,29 @@ def make_optimizer(config: TrainConfig, global_batch: int,
 
 @dataclasses.dataclass
 class Run:
-    """A run's data source, mode and state, and from them its inner step and stream."""
+    """A run's data source, mode and state, and from them its inner step and stream; its options
+    are its mode's."""
 
-    config: TrainConfig
     source: Source
     mode: Mode
     state: TrainState
 
     @classmethod
-    def create(cls, config: TrainConfig, spec: ModelSpec, source: Source, mode: Mode) -> Run:
-        """A fresh state in `mode`'s variable scope, seeded by config.seed: runs of one config
-        start from the same weights, whatever their mode."""
-        state = TrainState.create(config, spec, source, mode.variable_scope(), mode.worker.count)
-        return cls(config, source, mode, state)
+    def create(cls, spec: ModelSpec, source: Source, mode: Mode) -> Run:
+        """A fresh state in `mode`'s variable scope, seeded by the mode's config.seed: runs of one
+        config start from the same weights, whatever their mode."""
+        state = TrainState.create(mode.config, spec, source, mode.variable_scope(), mode.worker.count)
+        return cls(source, mode, state)
+
+    @property
+    def config(self) -> TrainConfig:
+        return self.mode.config
 
     @functools.cached_property
     def inner(self) -> InnerStep:
         """The mode's inner step, built at first use, so after any restore of the state: it keeps
         a copy of the statistics as they are when it is built (`TrainingStatistics`)."""
-        return self.mode.inner_step(self.state, self.config)
+        return self.mode.inner_step(self.state)
 
     def batches(self) -> Iterator[Batch]:
         """The training stream from the state's position in it (`examples_seen`): this worker's

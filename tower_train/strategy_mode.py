@@ -14,10 +14,11 @@ below). As in tower mode, an update of K micro-steps is K - 1 calls of
   adds losses of the batch: below), from which `UpdateRule.decide` makes the
   update's `Decision`.
 - then, from Python, `apply(W)` if that is APPLIED (W > 0, every replica
-  finite, and so the update's loss with the regularization), else `discard`. `apply`: every replica scales its local gradient
-  sum by c / W (c = labels per shard; `towers` has the math), and one all-reduce per update
-  sums them: the gradient of the update's weighted mean loss, exactly what
-  tower mode applies. The same all-reduce averages the replicas' BatchNorm
+  finite, and so the update's loss with the regularization), else `discard`.
+  `apply`: every replica scales its local gradient sum by c / W (c = labels
+  per shard; `towers` has the math), and one all-reduce per update sums them:
+  the gradient of the update's weighted mean loss, exactly what tower mode
+  applies. The same all-reduce averages the replicas' BatchNorm
   moving statistics. Each replica adds the regularization's gradient and clips
   its (identical) copy, and the `UpdateRule` applies it in cross-replica
   context, never inside a `tf.cond` (keras#20582), where Keras does not reduce

@@ -335,7 +335,7 @@ def _train(config: TrainConfig, spec: ModelSpec, source: Source, mode: Mode, wat
                                 config.optimizer, global_batch, config.ema_decay > 0)
     checkpoints.check_same_run(config.train_dir, record)
     with watchdog.local_work():  # building and restoring: TF's collective timeout covers their waits
-        run = Run.create(config, spec, source, mode)
+        run = Run.create(spec, source, mode)
         state = run.state
         check_metrics_against(metrics, state.model, source)
         log("%s", plan.message)

@@ -23,8 +23,9 @@ class Workload:
     examples of `labels_per_example` labels (tokens, for a sequence model). `traffic()` counts
     the bytes one update moves across devices (tracing its functions if they were not); None
     for the kinds that run on one device; `state_bytes()` the bytes of variables, optimizer slots,
-    moving averages and accumulators each device holds, None for them too. `read_input(n)` reads n updates' batches from the same
-    training stream and nothing else, returning the seconds; None for a batch held in memory."""
+    moving averages and accumulators each device holds, None for them too. `read_input(n)` reads
+    n updates' batches from the same training stream and nothing else, returning the seconds;
+    None for a batch held in memory."""
 
     run: Callable[[int], float]
     global_batch: int
@@ -55,7 +56,7 @@ def build_workload(bench: BenchConfig, config: TrainConfig, plan: DevicePlan,
         config = dataclasses.replace(config, mode=HAND_PLACED_MODE, all_reduce="auto", ps_device=ps_device,
                                      tower_weights=tower_weights)
         plan = dataclasses.replace(plan, param_device=parameter_device(ps_device, plan.tower_devices))
-    elif bench.kind in ("mirrored", "central_storage"):
+    elif bench.kind in MODE_KINDS:  # a strategy mode's name
         # Tower-only options the run's flags may set apply to the tower kinds alone.
         config = dataclasses.replace(config, mode=bench.kind, all_reduce="auto", tower_weights="per_update",
                                      transfer_precision="fp32")
@@ -80,7 +81,7 @@ def build_workload(bench: BenchConfig, config: TrainConfig, plan: DevicePlan,
             weights = tf.ones(labels.shape, tf.float32)
         dataset = tf.data.Dataset.from_tensors((features, labels, weights)).repeat()
     if bench.kind in MODE_KINDS:
-        training = Run.create(config, spec, source, build_mode(config, plan))
+        training = Run.create(spec, source, build_mode(config, plan))
         state, inner = training.state, training.inner
         if slow_tower_ms > 0 and config.mode_rules.places_towers:
             slow_first_tower(state.model, slow_tower_ms)
