@@ -34,7 +34,7 @@ def megabytes(moved: dict | None, category: str) -> str:
 
 def test_every_kind_runs_and_the_report_and_json_are_well_formed(tmp_path):
     out = tmp_path / "bench.json"
-    names = ["plain_k1", "tower_pscpu_k1", "tower_psgpu_k1", "mirrored_k2", "central_storage_k1",
+    names = ["plain_k1", "tower_pscpu_k1", "tower_psgpu_k1", "tower_psspread_k2", "mirrored_k2", "central_storage_k1",
              "keras_fit_k2", "tower_pscpu_k2_b2_data", "tower_pscpu_k2_b2_tfrecord",
              "tower_pscpu_k2_b2_dataset"]
     # An odd number of rounds: the median rate is then the rate of the median time.
@@ -126,8 +126,9 @@ def test_config_names_parse_and_bad_ones_are_refused():
         parse_config_name("mirrored_k2_s1-3", 32)
     assert parse_config_name("tower_psgpu_k8_b4_permicro_data", 32).weights_per_micro_step
     assert not parse_config_name("tower_psgpu_k8", 32).weights_per_micro_step
-    with pytest.raises(UsageError, match="_permicro .* tower kinds only"):
-        parse_config_name("mirrored_k2_permicro", 32)
+    for kind in ("mirrored", "tower_psspread"):  # spread sends the weights once per update
+        with pytest.raises(UsageError, match="_permicro .* is for tower_pscpu and tower_psgpu only"):
+            parse_config_name(f"{kind}_k2_permicro", 32)
     bench = parse_config_name("central_storage_k1_b256", 32)
     assert (bench.kind, bench.accum, bench.batch_size) == ("central_storage", 1, 256)
     for bad in ("warp_k2", "tower_k1", "plain_k0", "plain_k1_b0", "plain", "mirrored_k2_data_b4"):
@@ -159,7 +160,8 @@ def test_the_default_suites():
             assert (benches[a].input, benches[b].input) == ("dataset", "memory"), (a, b, note)
             assert g[a] == g[b], (a, b, note)
     traffic_suite = [parse_config_name(n, 32) for n in default_configs("traffic", 32)]
-    assert {b.kind for b in traffic_suite} == {"tower_pscpu", "tower_psgpu", "mirrored", "central_storage"}
+    assert {b.kind for b in traffic_suite} == {"tower_pscpu", "tower_psgpu", "tower_psspread", "mirrored",
+                                               "central_storage"}
     assert {b.accum for b in traffic_suite} == {1, 8} and any(b.weights_per_micro_step for b in traffic_suite)
     memory_suite = [parse_config_name(n, 32) for n in default_configs("memory", 32)]
     assert {b.batch_size * b.accum for b in memory_suite} == {8 * 32}  # one G, 8 x --batch_size per tower
@@ -172,8 +174,8 @@ def test_benchmark_refuses_bad_flags_in_one_line():
     for args, line in [
             (["--configs=warp_k2"], "tower_train: error: --configs: 'warp_k2' is not "
                                     "KIND_kK[_bB][_sA-B...][_permicro][_data|_tfrecord|_dataset] "
-                                    "with KIND in plain, tower_pscpu, tower_psgpu, mirrored, "
-                                    "central_storage, keras_fit, K >= 1 and B >= 1"),
+                                    "with KIND in plain, tower_pscpu, tower_psgpu, tower_psspread, "
+                                    "mirrored, central_storage, keras_fit, K >= 1 and B >= 1"),
             (["--measure=speed"], "tower_train: error: --measure=speed: unknown; allowed: time, memory, traffic, ops"),
             (["--measure=traffic", "--link_gbps=fast"],
              "tower_train: error: --link_gbps=fast: must be numbers > 0 (gigabits per second), comma-separated"),
@@ -200,7 +202,8 @@ def test_a_slowed_first_tower_is_what_a_skewed_split_makes_up_for():
 
 def test_traffic_counts_bytes_per_update_and_predicts_link_time(tmp_path):
     out = tmp_path / "traffic.json"
-    names = ["tower_pscpu_k1", "tower_pscpu_k3", "tower_pscpu_k3_permicro", "mirrored_k3", "plain_k1"]
+    names = ["tower_pscpu_k1", "tower_pscpu_k3", "tower_pscpu_k3_permicro", "tower_psspread_k3", "mirrored_k3",
+             "plain_k1"]
     result = benchmark(f"--num_gpus={TOWERS}", f"--batch_size={BATCH}", "--measure=traffic",
                        f"--configs={','.join(names)}", "--link_gbps=8,80", f"--output_json={out}")
     assert result.returncode == 0, result.stderr[-3000:]
@@ -215,6 +218,12 @@ def test_traffic_counts_bytes_per_update_and_predicts_link_time(tmp_path):
     assert results["tower_pscpu_k3_permicro"]["copied"]["weights"] == 3 * TOWERS * p
     for name in ("tower_pscpu_k1", "tower_pscpu_k3", "tower_pscpu_k3_permicro"):
         assert results[name]["copied"]["gradients"] == TOWERS * (p + 8), name  # sums once per update
+    # Spread: each tower receives the weights and sends the gradient rows it does not own, and 14
+    # bytes of scalars per tower (tests/test_spread.py has them), so it moves less than the host.
+    # The regularization's value (4 bytes) comes to the host from tower 0's copy of the weights.
+    assert results["tower_psspread_k3"]["copied"]["weights"] == (TOWERS - 1) * p + 4
+    assert results["tower_psspread_k3"]["copied"]["gradients"] == (TOWERS - 1) * p + TOWERS * 14
+    assert written["tower_psspread_k3"]["busiest_device_bytes"] < written["tower_pscpu_k3"]["busiest_device_bytes"]
     rows = {line.split()[0]: line.split() for line in result.stdout.splitlines()[1:1 + len(names)]}
     assert rows["plain_k1"][2:] == ["one", "device:", "nothing", "crosses"]
     for name in names[:-1]:
@@ -236,6 +245,13 @@ def test_traffic_counts_bytes_per_update_and_predicts_link_time(tmp_path):
     assert held["tower_pscpu_k3"] == [2 * p + 8] * TOWERS + [4 * p + 24]
     assert held["tower_pscpu_k3_permicro"] == [p + 8] * TOWERS + [4 * p + 24]  # no copies kept
     assert held["mirrored_k3"] == [5 * p + 32] * TOWERS
+    # Spread: the host keeps the checkpoint's copy; each tower its sums and copy, and its slices'
+    # weights, two slots and average (4 x its share of P, the shares adding up to P).
+    host, *towers = sorted(written["tower_psspread_k3"]["state_bytes_per_device"].items())
+    assert host[0].endswith("CPU:0") and host[1] == 4 * p + 24
+    assert sum(b - (2 * p + 8) for _, b in towers) == 4 * p
+    widest_row = 5 * 64 * 64 * 4  # conv2's kernel, [5, 5, 64, 64], is cut along its first axis
+    assert max(b for _, b in towers) <= 2 * p + 8 + 4 * (p / TOWERS + widest_row)
     assert written["plain_k1"]["state_bytes_per_device"] is None
 
 
@@ -259,11 +275,14 @@ def test_ops_profiles_each_configuration_and_finds_the_input_pipeline(tmp_path):
 def test_tower_only_flags_reach_the_tower_kinds_and_leave_the_strategy_kinds_alone(tmp_path):
     out = tmp_path / "traffic.json"
     result = benchmark(f"--num_gpus={TOWERS}", f"--batch_size={BATCH}", "--measure=traffic",
-                       "--configs=tower_pscpu_k1,mirrored_k1", "--precision=bf16",
+                       "--configs=tower_pscpu_k1,tower_psspread_k1,mirrored_k1", "--precision=bf16",
                        "--transfer_precision=bf16", f"--output_json={out}")
     assert result.returncode == 0, result.stderr[-3000:]
     results = {r["config"]: r["bytes_per_update"] for r in json.loads(out.read_text())["results"]}
     p = 1_068_298  # cifar10_cnn's weights, each in 2 bytes both ways under bf16 transfers
     assert results["tower_pscpu_k1"]["copied"]["weights"] == TOWERS * 2 * p
     assert results["tower_pscpu_k1"]["copied"]["gradients"] == TOWERS * (2 * p + 8), results
+    assert results["tower_psspread_k1"]["copied"]["weights"] == (TOWERS - 1) * 2 * p + 4  # + the penalty
+    # (At K = 1, W sent back to each owner is computed from the input alone: it counts as input.)
+    assert results["tower_psspread_k1"]["copied"]["gradients"] == (TOWERS - 1) * 2 * p + TOWERS * 10, results
     assert results["mirrored_k1"]["copied"]["gradients"] >= TOWERS * 4 * p  # float32, as ever

@@ -37,6 +37,11 @@ BAD = [
     (dict(precision="bf16", transfer_precision="fp16"),
      "--transfer_precision=fp16: only with --precision=fp16, whose loss scale keeps the gradient "
      "sums in float16's range (not --precision=bf16); use bf16"),
+    (dict(mode="mirrored", ps_device="spread"),
+     "--ps_device=spread: only with --mode=tower (a strategy places the variables itself), not --mode=mirrored"),
+    (dict(ps_device="spread", tower_weights="per_micro_step"),
+     "--tower_weights=per_micro_step: --ps_device=spread sends each tower the weights once per update, "
+     "from every slice's device; use per_update"),
     # Python values of the wrong type, as fit() may be given them.
     (dict(accum=True), "accum=True: must be a whole number, not a bool"),
     (dict(clip_norm=True), "clip_norm=True: must be a number, not a bool"),

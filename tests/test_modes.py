@@ -59,12 +59,12 @@ def test_a_mode_creates_variables_where_its_placement_says(mode, holder):
     assert type(built) is MODES[mode] and (built.strategy is None) == (mode == "tower")
     if holder is not None:
         assert canonical_device(variable.device) == canonical_device(built.placement.device_of(variable)) == holder
-        assert built.variables_on == "/cpu:0"
+        assert built.placement.describe([variable]) == "/cpu:0"
     else:  # a copy on every tower; the first is the one device_of names
         copies = built.strategy.experimental_local_results(variable)
         assert [canonical_device(c.device) for c in copies] == ["CPU:1", "CPU:2"]
         assert canonical_device(built.placement.device_of(variable)) == "CPU:1"
-        assert built.variables_on == "every replica (mirrored)"
+        assert built.placement.describe([variable]) == "every replica (mirrored)"
 
 
 def test_all_reduce_choice_follows_the_devices():

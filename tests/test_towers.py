@@ -60,16 +60,19 @@ def test_towers_and_accumulation_equal_one_plain_step_on_the_concatenated_batch(
 
 
 def test_weights_depend_only_on_the_examples_not_on_the_layout():
-    layouts = [(64, 1, 1), (8, 1, 8), (8, 4, 2), (8, 8, 1), (16, 2, 2)]
+    # (batch, towers, accum, --ps_device)
+    layouts = [(64, 1, 1, "cpu"), (8, 1, 8, "cpu"), (8, 4, 2, "cpu"), (8, 8, 1, "cpu"), (16, 2, 2, "cpu"),
+               (8, 4, 2, "spread"), (8, 8, 1, "spread"), (32, 2, 1, "spread")]
     trajectories = {}
-    for batch, num_gpus, accum in layouts:
+    for batch, num_gpus, accum, ps_device in layouts:
         run = make_run(batch_size=batch, num_gpus=num_gpus, accum=accum, optimizer="sgd",
-                        learning_rate=LR)
+                       learning_rate=LR, ps_device=ps_device)
         batches = run.batches()
-        trajectories[batch, num_gpus, accum] = []
+        trajectories[batch, num_gpus, accum, ps_device] = []
         for _ in range(3):
             run.inner.run_update(batches)
-            trajectories[batch, num_gpus, accum].append(weights(run.state.model))
+            run.inner.sync_state()
+            trajectories[batch, num_gpus, accum, ps_device].append(weights(run.state.model))
     reference = trajectories[layouts[0]]
     moved = max(np.abs(a - b).max() for a, b in zip(reference[-1], make_run().state.model.trainable_variables))
     assert moved > 1e-3  # the updates did something, so agreement means something

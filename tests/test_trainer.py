@@ -97,6 +97,8 @@ class ScriptedStep:
         self.state, self.accum, self.script, self.clock = state, accum, list(script), clock
         self.during = during or {}
         self.calls: list[dict] = []
+        self.syncs: list[int] = []  # the step at each sync_state
+        self.held_is_finite = True
 
     def run_update(self, batches):
         taken = [next(batches) for _ in range(self.accum)]
@@ -114,6 +116,12 @@ class ScriptedStep:
 
     def traced_update(self, spec):
         raise NotImplementedError  # the Controller never traces
+
+    def sync_state(self):
+        self.syncs.append(int(self.state.step.numpy()))
+
+    def held_finite(self):
+        return self.held_is_finite
 
     def variable_roles(self):
         raise NotImplementedError
@@ -183,6 +191,7 @@ def test_a_run_counts_its_updates_saves_at_the_cadence_and_at_the_end_and_calls_
     assert int(run.state.step.numpy()) == 5 and int(run.state.examples_seen.numpy()) == 5 * g
     # Every 2 updates, and at the last (5); each holds the state of its update.
     assert run.saved() == [2, 4, 5]
+    assert run.inner.syncs == [2, 4, 5]  # the state made current before each save reads it
     for number in (2, 4, 5):
         assert saved_value(run.ckpt(number), "step") == number
         assert saved_value(run.ckpt(number), "examples_seen") == number * g
@@ -308,9 +317,12 @@ def test_fp16_overflows_are_skipped_whatever_nonfinite_and_max_skipped_say(tmp_p
         for scale in (16384, 8192, 4096)]
 
 
-@pytest.mark.parametrize("where", ["weights", "optimizer slots", "moving average"])
+@pytest.mark.parametrize("where", ["weights", "optimizer slots", "moving average", "the step's slices"])
 def test_an_applied_update_that_leaves_non_finite_state_stops_the_run_unsaved(tmp_path, where):
     def poison():
+        if where == "the step's slices":  # --ps_device=spread keeps the state away from the TrainState
+            run.inner.held_is_finite = False
+            return
         state = run.state
         variables = {"weights": state.model.trainable_variables,
                      "optimizer slots": [v for v in state.optimizer.variables if "momentum" in v.path],

@@ -28,7 +28,10 @@ LAYOUTS = [(48, 1, 1), (12, 2, 2), (6, 4, 2), (4, 3, 4), (2, 8, 3)]  # batch, to
 CASES = [("tower", layout, None) for layout in LAYOUTS] + [
     ("mirrored", (12, 2, 2), None), ("mirrored", (4, 3, 4), None), ("central_storage", (4, 3, 4), None),
     # Uneven towers (--tower_split): 12 and 4 examples per micro-step, then 2, 2 and 8.
-    ("tower", (8, 2, 3), "3,1"), ("tower", (4, 3, 4), "1,1,4")]
+    ("tower", (8, 2, 3), "3,1"), ("tower", (4, 3, 4), "1,1,4"),
+    # --ps_device=spread: the weights in slices on the towers, at K = 1 and K > 1, split too.
+    ("tower-spread", (6, 4, 2), None), ("tower-spread", (2, 8, 3), None), ("tower-spread", (12, 4, 1), None),
+    ("tower-spread", (4, 3, 4), "1,1,4")]
 IDS = [f"{mode}-{b}x{n}x{k}" + (f"-split{split}" if split else "") for mode, (b, n, k), split in CASES]
 CLASSES = 12  # more than CIFAR's 10
 STEPS, FEATURES = 5, 3  # a user's "time series" per example: [5, 3], nothing like an image
@@ -100,12 +103,15 @@ def one_big_batch_step(model, source, normalize=None):
 
 
 def run_one_update(model, source, mode, layout, split=None):
+    """`mode` a --mode, or "tower-spread" for tower mode with --ps_device=spread."""
     batch, towers, accum = layout
+    mode, _, ps_device = mode.partition("-")
     run = make_run(model=model, source=source, mode=mode, num_gpus=towers, accum=accum,
                    batch_size=batch, tower_split=split, optimizer="sgd", learning_rate=LR,
-                   ema_decay=0.0)
+                   ema_decay=0.0, ps_device=ps_device or "cpu")
     expected_loss, expected = one_big_batch_step(run.state.model, source)
     result = run.inner.run_update(run.batches())
+    run.inner.sync_state()
     return run, result, expected_loss, expected
 
 

@@ -112,6 +112,8 @@ def compare_modes(config: TrainConfig, plan: DevicePlan, modes: list[str]) -> di
             start = time.perf_counter()
             losses[m].append(runs[m].inner.run_update(streams[m]).loss)  # reading it waits for the device
             seconds[m].append(time.perf_counter() - start)
+    for m in modes:
+        runs[m].inner.sync_state()
     return {m: ModeRun(m, losses[m], seconds[m],
                        [v.numpy() for v in runs[m].state.model.trainable_variables])
             for m in modes}

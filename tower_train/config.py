@@ -52,7 +52,7 @@ WORKERS_MODE = next(rules.name for rules in MODE_RULES.values() if rules.workers
 ONE_PROCESS_MODES = tuple(rules.name for rules in MODE_RULES.values() if not rules.workers)
 SYNC_BN_MODES = tuple(rules.name for rules in MODE_RULES.values() if rules.replica_context)
 CLUSTERS = ("tf_config", "slurm", "auto")  # where multi_worker's workers learn the cluster
-PS_DEVICES = ("cpu", "gpu")
+PS_DEVICES = ("cpu", "gpu", "spread")  # spread: over the tower devices (tower mode)
 TOWER_WEIGHTS = ("per_update", "per_micro_step")  # how often tower mode's towers fetch the weights
 OPTIMIZERS = ("sgd", "momentum", "adam")
 NONFINITE_POLICIES = ("stop", "skip")
@@ -106,8 +106,10 @@ class TrainConfig:
         "batch_size each. The update stays the weighted mean over its G examples.")
     # The original kept the variables on the CPU.
     ps_device: str = option(
-        "cpu", f"Where all variables live: {' | '.join(PS_DEVICES)} (gpu = GPU 0, or the first "
-        "tower's device when there is no GPU).")
+        "cpu", f"Where the variables live: {' | '.join(PS_DEVICES)} (gpu = GPU 0, or the first "
+        "tower's device when there is no GPU; spread = tower mode's trainable weights, with their "
+        "optimizer slots and averages, cut into byte-balanced slices, one per tower device, each "
+        "updated by its device; the counters, BN statistics and the checkpoint's copy on the host).")
     # The weights cannot change inside an update, so K - 1 of K fetches are redundant:
     # cifar10_cnn at N = 4, K = 8 moves 17 MB instead of 137 MB for 17 MB more tower memory.
     tower_weights: str = option(
@@ -226,7 +228,13 @@ class TrainConfig:
         if not (self.stop_grace_period > 0 and math.isfinite(self.stop_grace_period)):
             raise UsageError(f"--stop_grace_period={self.stop_grace_period}: must be seconds > 0")
         _one_of("ps_device", self.ps_device, PS_DEVICES)
+        if self.ps_device == "spread" and not self.mode_rules.places_towers:
+            raise UsageError(f"--ps_device=spread: only with --mode={HAND_PLACED_MODE} (a strategy places the "
+                             f"variables itself), not --mode={self.mode}")
         _one_of("tower_weights", self.tower_weights, TOWER_WEIGHTS)
+        if self.tower_weights != "per_update" and self.ps_device == "spread":
+            raise UsageError(f"--tower_weights={self.tower_weights}: --ps_device=spread sends each tower the "
+                             "weights once per update, from every slice's device; use per_update")
         if self.tower_weights != "per_update" and not self.mode_rules.places_towers:
             raise UsageError(f"--tower_weights={self.tower_weights}: only with --mode={HAND_PLACED_MODE} (the "
                              f"strategies place the weights themselves), not --mode={self.mode}")

@@ -8,9 +8,10 @@ creates the logical devices the plan needs.
 from __future__ import annotations
 
 import dataclasses
+import math
 import shutil
 import subprocess
-from typing import ContextManager, Protocol
+from typing import ContextManager, Protocol, Sequence
 
 from tower_train.errors import UsageError
 
@@ -53,8 +54,8 @@ def plan_devices(
 
     Args:
       num_gpus: the number of towers; 0 means one tower on the CPU.
-      ps_device: "cpu" (the host CPU, as in the original) or "gpu" (GPU 0, or
-        the first tower device when there is no GPU).
+      ps_device: "cpu" (the host CPU, as in the original), "gpu" (GPU 0, or
+        the first tower device when there is no GPU) or "spread" (`SpreadPlacement`).
       num_physical_gpus: how many physical GPUs the machine has.
       gpu0_memory_mb: GPU 0's total memory, when known; used to split it.
       gpu_memory_mb: the `--gpu_memory_mb` override for each logical GPU.
@@ -99,14 +100,17 @@ def plan_devices(
         message = (f"no GPU found for --num_gpus={num_gpus}: split the CPU into {num_gpus + 1} "
                    f"logical devices, host /cpu:0, towers on {device_span(towers)}")
     param_device = parameter_device(ps_device, towers)
-    return DevicePlan(towers, param_device, split, num_logical, limit,
-                      f"{message}; parameters on {param_device}")
+    where = (f"parameters spread over {device_span(towers)}, counters on {param_device}" if ps_device == "spread"
+             else f"parameters on {param_device}")
+    return DevicePlan(towers, param_device, split, num_logical, limit, f"{message}; {where}")
 
 
 def parameter_device(ps_device: str, tower_devices: tuple[str, ...]) -> str:
     """Where `--ps_device` puts the variables: "cpu" the host; "gpu" the first tower's device,
-    which is GPU 0 whenever the machine has a GPU (towers are /gpu:0.. then, split or not)."""
-    return HOST_DEVICE if ps_device == "cpu" else tower_devices[0]
+    which is GPU 0 whenever the machine has a GPU (towers are /gpu:0.. then, split or not);
+    "spread" the host too, for what is not spread (the counters, BN statistics and the
+    checkpoint's copy of the state: `SpreadPlacement`)."""
+    return tower_devices[0] if ps_device == "gpu" else HOST_DEVICE
 
 
 def _check_gpu_split(num_gpus: int, limit_mb: int, gpu0_memory_mb: int | None, from_flag: bool) -> None:
@@ -202,7 +206,7 @@ class Placement(Protocol):
     def device_of(self, variable) -> str:
         """The device that holds `variable` (the first copy, for a mirrored one)."""
 
-    def describe(self) -> str:
+    def describe(self, trainable_variables: Sequence) -> str:
         """Where the variables are, as the layout line says it."""
 
 
@@ -220,7 +224,7 @@ class OneDevice:
     def device_of(self, variable) -> str:
         return self.device
 
-    def describe(self) -> str:
+    def describe(self, trainable_variables: Sequence) -> str:
         return self.device
 
 
@@ -238,5 +242,86 @@ class StrategyPlacement:
     def device_of(self, variable) -> str:
         return self.parameter_device or variable.device
 
-    def describe(self) -> str:
+    def describe(self, trainable_variables: Sequence) -> str:
         return self.parameter_device or "every replica (mirrored)"
+
+
+@dataclasses.dataclass(frozen=True)
+class Slice:
+    """Rows [start, stop) of trainable variable `variable`'s first axis (a scalar is one row),
+    held and updated by tower device `owner`."""
+
+    variable: int
+    start: int
+    stop: int
+    owner: int
+
+
+def slice_rows(variable_rows: Sequence[tuple[int, int]], owners: int) -> list[Slice]:
+    """Cuts variables into `owners` byte-balanced shares, along their first axis.
+
+    Args:
+      variable_rows: per variable, (its rows, the bytes of one row).
+      owners: the number of devices, N >= 1.
+
+    Returns:
+      The slices, ordered by variable and then by row. The variables, largest first (ties in
+      their order), are laid end to end, and device d takes the rows that start in bytes
+      [d T / N, (d + 1) T / N) of that line, T being the total: TF1's greedy placement, largest
+      first, with a variable too large for one device cut into partitions, as its partitioned
+      variables were. A device holds at most T / N plus one row.
+    """
+    sizes = [rows * row_bytes for rows, row_bytes in variable_rows]
+    total = sum(sizes)
+    slices, offset = [], 0
+    for j in sorted(range(len(sizes)), key=lambda j: -sizes[j]):
+        rows, row_bytes = variable_rows[j]
+        # The first row of device d's share: the first whose start byte reaches d T / N.
+        cuts = [0, *(min(rows, max(0, -(-(d * total - offset * owners) // (row_bytes * owners))))
+                     for d in range(1, owners)), rows]
+        slices += [Slice(j, cuts[d], cuts[d + 1], d) for d in range(owners) if cuts[d] < cuts[d + 1]]
+        offset += sizes[j]
+    return sorted(slices, key=lambda s: (s.variable, s.start))
+
+
+def variable_rows(variables: Sequence) -> list[tuple[int, int]]:
+    """(rows, bytes per row) of each variable, as `slice_rows` takes them."""
+    return [(v.shape[0] if len(v.shape) else 1,
+             math.prod(v.shape[1:]) * _dtype_size(v.dtype)) for v in variables]
+
+
+def _dtype_size(dtype) -> int:
+    import tensorflow as tf
+
+    return tf.as_dtype(dtype).size
+
+
+@dataclasses.dataclass(frozen=True)
+class SpreadPlacement:
+    """--ps_device=spread: the trainable weights, with their optimizer slots and averages, in
+    byte-balanced slices on the tower devices (`slice_rows`; tower mode keeps them, see
+    `tower_train.spread`). What a checkpoint holds is created on `host`, which also keeps the
+    counters and BN statistics."""
+
+    host: str
+    tower_devices: tuple[str, ...]
+
+    def scope(self) -> ContextManager:
+        import tensorflow as tf
+
+        return tf.device(self.host)
+
+    def device_of(self, variable) -> str:
+        return self.host
+
+    def slices(self, trainable_variables: Sequence) -> list[Slice]:
+        return slice_rows(variable_rows(trainable_variables), len(self.tower_devices))
+
+    def describe(self, trainable_variables: Sequence) -> str:
+        held = [0] * len(self.tower_devices)
+        rows = variable_rows(trainable_variables)
+        for s in self.slices(trainable_variables):
+            held[s.owner] += (s.stop - s.start) * rows[s.variable][1]
+        shares = ", ".join(f"{device} {size / 1e6:.2f} MB" for device, size in zip(self.tower_devices, held,
+                                                                                    strict=True))
+        return f"{shares} of weights in slices (their slots and averages beside them), counters on {self.host}"

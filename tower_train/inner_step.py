@@ -59,5 +59,16 @@ class InnerStep(Protocol):
 
     def variable_roles(self) -> Mapping[str, Sequence]:
         """The variables behind the traffic, by role: "weights" (the trainable variables and
-        any copy of them), "gradients" (the accumulators of gradient, loss and weight sums),
-        "statistics" (BN's moving statistics)."""
+        any copy or slice of them), "gradients" (the accumulators of gradient, loss and weight
+        sums), "statistics" (BN's moving statistics), and "held" (state that never leaves its
+        device: --ps_device=spread's optimizer slots and averages)."""
+
+    def sync_state(self) -> None:
+        """Writes what the step keeps of the training state away from the TrainState's variables
+        back into them, so that a save, an evaluation or a callback reads the current state:
+        --ps_device=spread keeps the weights, slots and averages in slices on the towers. Does
+        nothing when the TrainState is already current, and in the steps that update it in place."""
+
+    def held_finite(self) -> bool:
+        """Whether every float value the step keeps of the state away from the TrainState (what
+        `sync_state` would write) is finite; True when it keeps none."""

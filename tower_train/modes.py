@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, ClassVar, ContextManager
 
 from tower_train.cluster import SINGLE_PROCESS, WorkerInfo, strategy_resolver
 from tower_train.config import DTYPES, MODE_RULES, ModeRules, TrainConfig
-from tower_train.devices import (HOST_DEVICE, DevicePlan, OneDevice, Placement, StrategyPlacement, device_span,
-                                 plan_devices)
+from tower_train.devices import (HOST_DEVICE, DevicePlan, OneDevice, Placement, SpreadPlacement, StrategyPlacement,
+                                 device_span, plan_devices)
 from tower_train.errors import UsageError
 
 if TYPE_CHECKING:
@@ -122,10 +122,6 @@ class Mode:
             self._vote = tf.function(vote)
         return int(self._vote(tf.constant(int(flag)))) > 0
 
-    @property
-    def variables_on(self) -> str:
-        return self.placement.describe()
-
 
 class TowerMode(Mode):
     """The classic pattern: no strategy, the variables on the parameter device, the towers
@@ -138,6 +134,8 @@ class TowerMode(Mode):
         return "parameter_device"
 
     def _placement(self) -> Placement:
+        if self.config.ps_device == "spread":
+            return SpreadPlacement(self.plan.param_device, self.plan.tower_devices)
         return OneDevice(self.plan.param_device)
 
     def inner_step(self, state) -> InnerStep:

@@ -153,6 +153,6 @@ class Run:
         shards = (config.batch_size if config.tower_split is None
                   else "/".join(map(str, config.tower_shard_sizes)) + f" (--tower_split={config.tower_split})")
         return (f"mode={config.mode} ({self.mode.all_reduce} reduction), {len(plan.tower_devices)} tower(s) "
-                f"on {', '.join(plan.tower_devices)}, variables on {self.mode.variables_on}, "
+                f"on {', '.join(plan.tower_devices)}, variables on {self.mode.placement.describe(self.state.model.trainable_variables)}, "
                 f"batch per tower {shards}, accum {config.accum}, "
                 f"global batch G = {config.global_batch * self.mode.worker.count}")

@@ -125,6 +125,12 @@ class StrategyStep:
                 "gradients": self._sums.gradient_variables + self._sums.scalar_variables,
                 "statistics": model.non_trainable_weights}
 
+    def sync_state(self) -> None:
+        pass  # the strategy updates the TrainState's variables in place
+
+    def held_finite(self) -> bool:
+        return True
+
     def _per_replica(self, batch: Batch) -> tf.distribute.DistributedValues:
         shards = [tf.split(part, self._local_replicas) for part in batch]
 

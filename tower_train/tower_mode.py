@@ -39,6 +39,14 @@ What crosses devices can be narrower than float32:
 
 A tower on the parameter device casts nothing: nothing of it crosses devices.
 
+With `--ps_device=spread` (a `SpreadPlacement`) the trainable weights, their slots and averages
+live in slices on the tower devices (`spread.SpreadState`) instead, and the host keeps the
+counters, the BN statistics and the checkpoint's copy. Every tower keeps a copy of the weights,
+joined once per update from the slices (`refresh_weights`, at every K); `update` sends each
+slice's owner its rows of every tower's gradient sums, the owners combine and apply them, and
+the host decides from one flag (and one partial squared norm, for clipping) per owner. A tower
+receives and sends only the rows it does not own, each in the dtype the rule above gives.
+
 A model that adds losses of the batch through Keras (`add_loss`, activity
 regularizers) has a second gradient sum per tower, that of those losses,
 which the update folds into the first on the tower's device before it
@@ -62,9 +70,10 @@ from typing import Iterator, Mapping, Sequence
 
 import tensorflow as tf
 
-from tower_train.devices import OneDevice, canonical_device
+from tower_train.devices import OneDevice, SpreadPlacement, canonical_device
 from tower_train.inner_step import Batch, BatchSpec, Decision, UpdateResult
-from tower_train.towers import (combine_gradients, labels_per_shard, pass_seeds,
+from tower_train.spread import SpreadState, joined
+from tower_train.towers import (TowerResult, combine_gradients, labels_per_shard, pass_seeds,
                                 read_in_compute_dtype, regularization_gradients, run_on_towers,
                                 seed_generator_states, split_batch, tower_function)
 from tower_train.update_rule import TrainingStatistics, UpdateRule
@@ -74,20 +83,23 @@ from tower_train.update_sums import UpdateSums
 class TowerStep:
     """The inner step of tower mode for one model, optimizer and device layout."""
 
-    def __init__(self, rule: UpdateRule, tower_devices: Sequence[str], placement: OneDevice, accum: int,
-                 shard_sizes: Sequence[int], jit_compile: bool = False, tower_weights: str = "per_update",
+    def __init__(self, rule: UpdateRule, tower_devices: Sequence[str], placement: OneDevice | SpreadPlacement,
+                 accum: int, shard_sizes: Sequence[int], jit_compile: bool = False, tower_weights: str = "per_update",
                  transfer_dtype: str = "float32"):
         """`placement`: where the rule's variables live (the parameter device), which also holds
-        the update's counters and decides it. `tower_weights`: "per_update" or "per_micro_step"
-        (`TrainConfig.tower_weights`). `transfer_dtype`: the dtype the towers' gradient sums cross
-        devices in (float32, bfloat16 or float16)."""
+        the update's counters and decides it; or `SpreadPlacement`, whose slices the towers'
+        devices hold and update (`spread.SpreadState`), its host holding the rest. `tower_weights`:
+        "per_update" or "per_micro_step" (`TrainConfig.tower_weights`; spread: per_update).
+        `transfer_dtype`: the dtype the towers' gradient sums cross devices in (float32, bfloat16
+        or float16)."""
         model = rule.model
         self._tower = tower_function(model, rule.loss_scale, jit_compile)
         self._rule = rule
         self._devices = tuple(tower_devices)
         self._shard_sizes = tuple(shard_sizes)  # examples of each tower per micro-step
         self._placement = placement
-        param_device = self._param_device = placement.device
+        spread = isinstance(placement, SpreadPlacement)
+        param_device = self._param_device = placement.host if spread else placement.device
         self._accum = accum
         self._examples_per_update = sum(shard_sizes) * accum  # G
         # Per tower: whether it is on another device than the variables, so that what it reads
@@ -107,12 +119,18 @@ class TowerStep:
             for i, device in enumerate(self._devices):
                 with tf.device(device):
                     self._sums.append(UpdateSums(model, prefix=f"tower_{i}_"))
+        # The slices of the weights, slots and averages, on the towers' devices; created after any
+        # restore (`Run.inner`), so they start from the restored state.
+        self._spread = (SpreadState(model.trainable_variables, rule.optimizer, rule.moving_average, placement)
+                        if spread else None)
+        self._synced = True  # whether the TrainState's variables hold the slices' values
         # Per tower, on its device: a copy of the trainable weights, or None to read them from the
         # parameter device. Not state: a TowerStep is not checkpointed, and each update refreshes them.
+        # Spread: every tower, since the TrainState's weights are not current.
         copied = tower_weights == "per_update" and accum > 1
         self._weight_copies: list[list[tf.Variable] | None] = []
         for i, (device, remote) in enumerate(zip(self._devices, self._remote, strict=True)):
-            if copied and remote:
+            if spread or (copied and remote):
                 with tf.device(device):
                     self._weight_copies.append([
                         tf.Variable(tf.zeros(v.shape, model.compute_dtype if narrow else v.dtype),
@@ -136,7 +154,17 @@ class TowerStep:
             self.refresh_weights()
         for _ in range(self._accum - 1):
             self.accumulate(*next(batches))
-        return UpdateResult.of(*self.update(*next(batches)))
+        result = UpdateResult.of(*self.update(*next(batches)))
+        self._synced = self._synced and not (self._spread is not None and result.applied)
+        return result
+
+    def sync_state(self) -> None:
+        if not self._synced:
+            self._spread.gather()
+            self._synced = True
+
+    def held_finite(self) -> bool:
+        return self._spread is None or self._spread.finite()
 
     def traced_update(self, spec: BatchSpec) -> list[tuple[object, int]]:
         runs = [(self.refresh_weights.get_concrete_function(), 1)] if self.copies_weights else []
@@ -150,18 +178,34 @@ class TowerStep:
         # Every tower's gradient sums, then its loss sums, then its weight sums (and batch losses').
         sums = ([v for tower in self._sums for v in tower.gradient_variables]
                 + [v for scalars in zip(*(tower.scalar_variables for tower in self._sums)) for v in scalars])
-        return {"weights": model.trainable_variables + copies, "gradients": sums,
-                "statistics": model.non_trainable_weights}
+        slices = [] if self._spread is None else self._spread.weights
+        return {"weights": model.trainable_variables + copies + slices, "gradients": sums,
+                "statistics": model.non_trainable_weights,
+                "held": [] if self._spread is None else self._spread.held_variables()}
 
     def _refresh_weights(self) -> None:
         """Copies the current trainable weights to every tower that keeps a copy: the only
-        weight traffic of the update."""
-        sent = self._sent_weights()
+        weight traffic of the update. Spread: each tower joins its copy of a weight from the
+        weight's slices, which their owners send (cast to the compute dtype where it is read in
+        it); a tower receives only the slices it does not own."""
+        sent = self._sent_weights() if self._spread is None else self._sent_slices()
         for device, copies in zip(self._devices, self._weight_copies, strict=True):
             if copies is not None:
                 with tf.device(device):
-                    for copy, value in zip(copies, sent, strict=True):
-                        copy.assign(value)
+                    for j, copy in enumerate(copies):
+                        copy.assign(sent[j] if self._spread is None
+                                    else joined([sent[k] for k in self._spread.slices_of[j]]))
+
+    def _sent_slices(self) -> list[tf.Tensor]:
+        """Spread: each slice as it travels to the towers, read (and cast to the compute dtype
+        where its weight is read in it) on its owner."""
+        model, spread = self._rule.model, self._spread
+        sent = []
+        for k, piece in enumerate(spread.slices):
+            with tf.device(spread.devices[piece.owner]):
+                value = spread.weights[k].value.read_value()
+                sent.append(tf.cast(value, model.compute_dtype) if self._narrow_weights[piece.variable] else value)
+        return sent
 
     def _sent_weights(self) -> list:
         """The trainable weights as they travel to the towers: the variables themselves, or, where
@@ -210,9 +254,7 @@ class TowerStep:
             total_weight = tf.add_n([result.weight_sum for result in results])
             safe_weight = tf.where(total_weight > 0, total_weight, 1.0)  # W = 0 is refused below
         tower_grads = []
-        narrow_gradients = self._transfer_dtype != tf.float32
-        for device, remote, result, count, size in zip(self._devices, self._remote, results, counts,
-                                                       self._shard_sizes, strict=True):
+        for device, result, count, size in zip(self._devices, results, counts, self._shard_sizes, strict=True):
             with tf.device(device):
                 grads = result.gradients
                 if result.batch_gradients is not None:
@@ -220,36 +262,9 @@ class TowerStep:
                     # come out multiplied by b_i / G.
                     factor = safe_weight * (size / (count * self._examples_per_update))
                     grads = [g + b * factor for g, b in zip(grads, result.batch_gradients, strict=True)]
-                if narrow_gradients and remote:
-                    grads = [tf.cast(g, self._transfer_dtype) for g in grads]
             tower_grads.append(grads)
-        with tf.device(self._param_device):
-            variables = self._rule.model.trainable_variables
-            tower_grads = [[tf.cast(g, v.dtype) for g, v in zip(grads, variables, strict=True)]
-                           for grads in tower_grads]  # back from transfer_dtype; else nothing
-            regularization, regularization_grads = regularization_gradients(self._rule.model)
-            mean_loss = (tf.math.divide_no_nan(tf.add_n([result.loss_sum for result in results]), total_weight)
-                         + regularization)
-            if self._rule.model.adds_batch_losses:  # their mean over the update's G examples
-                mean_loss += tf.add_n([result.batch_loss * (size / self._examples_per_update)
-                                       for result, size in zip(results, self._shard_sizes, strict=True)])
-            mean_grads = combine_gradients(tower_grads, counts, safe_weight)
-            if self._rule.loss_scale is not None:
-                mean_grads = self._rule.loss_scale.unscale(mean_grads)
-            mean_grads = [g + r for g, r in zip(mean_grads, regularization_grads, strict=True)]
-            finite = tf.reduce_all(tf.stack(
-                [tf.math.is_finite(mean_loss)] + [tf.reduce_all(tf.math.is_finite(g)) for g in mean_grads]))
-            decision = self._rule.decide(total_weight, finite, mean_loss)
-
-            def apply() -> None:
-                self._rule.apply(self._rule.clip(mean_grads))
-                self._statistics.keep()
-
-            def refuse() -> None:
-                self._statistics.restore()
-                self._rule.refuse(decision)
-
-            tf.cond(tf.equal(decision, int(Decision.APPLIED)), apply, refuse)
+        reduce = self._reduce_on_parameter_device if self._spread is None else self._reduce_on_owners
+        mean_loss, decision = reduce(tower_grads, results, counts, total_weight, safe_weight)
         for device, sums in zip(self._devices, self._sums):  # none at K = 1
             with tf.device(device):
                 sums.clear()
@@ -257,4 +272,129 @@ class TowerStep:
             with tf.device(self._param_device):
                 self._micro_step.assign(0)
         return mean_loss, total_weight, decision
+
+    def _mean_loss(self, results: Sequence[TowerResult], total_weight: tf.Tensor,
+                   regularization: tf.Tensor) -> tf.Tensor:
+        """The update's weighted mean loss plus the regularization, on the current device."""
+        mean_loss = (tf.math.divide_no_nan(tf.add_n([result.loss_sum for result in results]), total_weight)
+                     + regularization)
+        if self._rule.model.adds_batch_losses:  # their mean over the update's G examples
+            mean_loss += tf.add_n([result.batch_loss * (size / self._examples_per_update)
+                                   for result, size in zip(results, self._shard_sizes, strict=True)])
+        return mean_loss
+
+    def _reduce_on_parameter_device(self, tower_grads: list[list[tf.Tensor]], results: Sequence[TowerResult],
+                                    counts: Sequence[float], total_weight: tf.Tensor,
+                                    safe_weight: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+        """Every tower's gradient sums to the parameter device, which combines, decides and
+        applies; returns (the mean loss, the `Decision`)."""
+        if self._transfer_dtype != tf.float32:
+            for i, (device, remote) in enumerate(zip(self._devices, self._remote, strict=True)):
+                if remote:
+                    with tf.device(device):
+                        tower_grads[i] = [tf.cast(g, self._transfer_dtype) for g in tower_grads[i]]
+        rule = self._rule
+        with tf.device(self._param_device):
+            variables = rule.model.trainable_variables
+            tower_grads = [[tf.cast(g, v.dtype) for g, v in zip(grads, variables, strict=True)]
+                           for grads in tower_grads]  # back from transfer_dtype; else nothing
+            regularization, regularization_grads = regularization_gradients(rule.model)
+            mean_loss = self._mean_loss(results, total_weight, regularization)
+            mean_grads = combine_gradients(tower_grads, counts, safe_weight)
+            if rule.loss_scale is not None:
+                mean_grads = rule.loss_scale.unscale(mean_grads)
+            mean_grads = [g + r for g, r in zip(mean_grads, regularization_grads, strict=True)]
+            finite = tf.reduce_all(tf.stack(
+                [tf.math.is_finite(mean_loss)] + [tf.reduce_all(tf.math.is_finite(g)) for g in mean_grads]))
+            decision = rule.decide(total_weight, finite, mean_loss)
+
+            def apply() -> None:
+                rule.apply(rule.clip(mean_grads))
+                self._statistics.keep()
+
+            def refuse() -> None:
+                self._statistics.restore()
+                rule.refuse(decision)
+
+            tf.cond(tf.equal(decision, int(Decision.APPLIED)), apply, refuse)
+        return mean_loss, decision
+
+    def _reduce_on_owners(self, tower_grads: list[list[tf.Tensor]], results: Sequence[TowerResult],
+                          counts: Sequence[float], total_weight: tf.Tensor,
+                          safe_weight: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+        """Spread: each tower sends each slice's owner its rows of the gradient sums; each owner
+        combines its slices' gradients, adds the regularization's and sends the host one finite
+        flag and one squared norm; the host decides, and each owner applies its slices (clipped
+        by the global norm). Returns (the mean loss, the `Decision`)."""
+        rule, spread = self._rule, self._spread
+        variables = rule.model.trainable_variables
+        pieces = []  # per tower, per slice: its rows of the tower's gradient sums
+        for device, grads in zip(self._devices, tower_grads, strict=True):
+            with tf.device(device):
+                row = [spread.rows(grads[piece.variable], k) for k, piece in enumerate(spread.slices)]
+                if self._transfer_dtype != tf.float32:
+                    row = [part if canonical_device(spread.devices[piece.owner]) == canonical_device(device)
+                           else tf.cast(part, self._transfer_dtype) for part, piece in zip(row, spread.slices)]
+            pieces.append(row)
+        with tf.device(self._param_device):
+            rate = rule.optimizer.learning_rate  # at this update, before the count moves
+            update_number = rule.step.read_value() + 1
+        owner_grads, halves, finite = {}, [], []
+        regularization = None
+        for d, device in enumerate(self._devices):
+            if not spread.owned[d] and d > 0:
+                continue
+            with tf.device(device):
+                # Tower d's copy of the weights, exact: its own rows from its slices.
+                regularization_d, regularization_grads = regularization_gradients(rule.model, self._exact_weights(d))
+                regularization = regularization_d if regularization is None else regularization
+                grads = []
+                for k in spread.owned[d]:
+                    j = spread.slices[k].variable
+                    grad = combine_gradients([[tf.cast(row[k], variables[j].dtype)] for row in pieces], counts,
+                                             safe_weight)[0]
+                    if rule.loss_scale is not None:
+                        grad = rule.loss_scale.unscale([grad])[0]
+                    grads.append(grad + spread.rows(regularization_grads[j], k))
+                if grads:
+                    owner_grads[d] = grads
+                    if rule.clip_norm is not None:
+                        halves.append(rule.half_squared_norm(grads))
+                    finite.append(tf.reduce_all(tf.stack([tf.reduce_all(tf.math.is_finite(g)) for g in grads])))
+        with tf.device(self._param_device):
+            mean_loss = self._mean_loss(results, total_weight, regularization)
+            decision = rule.decide(total_weight, tf.reduce_all(tf.stack([tf.math.is_finite(mean_loss), *finite])),
+                                   mean_loss)
+            applied = tf.equal(decision, int(Decision.APPLIED))
+            norm = None if rule.clip_norm is None else rule.global_norm(halves)
+        for d, grads in owner_grads.items():
+            with tf.device(self._devices[d]):
+                tf.cond(applied, lambda d=d, grads=grads: spread.apply(d, rule.clip(grads, norm), rate, update_number),
+                        lambda: None)
+        with tf.device(self._param_device):
+            def apply() -> None:
+                rule.count_update()
+                spread.count_update()
+                self._statistics.keep()
+
+            def refuse() -> None:
+                self._statistics.restore()
+                rule.refuse(decision)
+
+            tf.cond(applied, apply, refuse)
+        return mean_loss, decision
+
+    def _exact_weights(self, device: int) -> list[tf.Tensor]:
+        """Spread: the trainable weights at tower `device`, from its copy, except where the copy
+        is in the compute dtype: there its own slices' rows are taken exact, the others are the
+        copy's (so the regularization's gradient is exact on its rows for a per-weight penalty)."""
+        spread, copies = self._spread, self._weight_copies[device]
+        weights = []
+        for j, (copy, variable) in enumerate(zip(copies, self._rule.model.trainable_variables, strict=True)):
+            value = tf.cast(copy, variable.dtype)
+            if self._narrow_weights[j]:
+                value = joined([spread.weights[k].value if spread.slices[k].owner == device else spread.rows(value, k)
+                                for k in spread.slices_of[j]])
+            weights.append(value)
+        return weights
 

@@ -194,13 +194,19 @@ def pass_seeds(generator_states: tf.Tensor, update: tf.Tensor, micro_step: tf.Te
     return tf.stack(rows)
 
 
-def regularization_gradients(model: TowerModel) -> tuple[tf.Tensor, list[tf.Tensor]]:
+def regularization_gradients(model: TowerModel,
+                             weights: Sequence[tf.Tensor] | None = None) -> tuple[tf.Tensor, list[tf.Tensor]]:
     """The model's regularization (with its Keras weight regularizers) and its gradient for each
     trainable variable (zeros where it does not depend on one): added once per update, never
-    per tower or micro-step."""
+    per tower or micro-step. `weights`: one tensor per trainable variable to compute both at,
+    instead of the variables."""
+    sources = model.trainable_variables if weights is None else list(weights)
     with tf.GradientTape() as tape:
-        regularization = model.update_regularization()
-    gradients = tape.gradient(regularization, model.trainable_variables)
+        if weights is not None:
+            tape.watch(sources)
+        with model.using(weights=weights):
+            regularization = model.update_regularization()
+    gradients = tape.gradient(regularization, sources)
     return regularization, dense(gradients, model.trainable_variables)
 
 

@@ -50,7 +50,8 @@ import tensorflow as tf
 
 CATEGORIES = ("weights", "gradients", "statistics", "input", "other")
 # Roles a variable can have in `count_traffic`'s `roles`; the other variables count as "other".
-ROLES = ("weights", "gradients", "statistics")
+# "held": variables that never leave their device, listed for the bytes each device holds.
+ROLES = ("weights", "gradients", "statistics", "held")
 # Ops that call another function: placed by their own device, never by a resource input.
 _CALLS = {"If", "StatelessIf", "While", "StatelessWhile", "Case", "StatelessCase", "PartitionedCall",
           "StatefulPartitionedCall"}

@@ -123,6 +123,7 @@ class Controller:
             self.callbacks.train_begin()  # nothing trained yet: its error needs no save
         while step < self.config.max_steps:
             if self.callbacks is not None:
+                self.inner.sync_state()  # the callbacks may read the weights
                 self.call_callbacks(lambda: self.callbacks.update_begin(_value(self.state.step) + 1))
             start = time.perf_counter()
             try:
@@ -145,7 +146,7 @@ class Controller:
                 continue
             self.skipped_in_a_row = self.empty_in_a_row = 0
             step, loss = _value(self.state.step), result.loss
-            if not self.state.all_finite():
+            if not (self.state.all_finite() and self.inner.held_finite()):
                 raise TrainingError(
                     f"update {step} had a finite loss ({loss:.4g}) and gradient but left non-finite "
                     "values in the weights or the optimizer's state (a learning rate too large, or "
@@ -156,6 +157,7 @@ class Controller:
             for hook in self.hooks:
                 hook.after_update(event)
             if self.callbacks is not None:
+                self.inner.sync_state()
                 self.call_callbacks(lambda: self.callbacks.after_update(event))
             if step % self.config.checkpoint_every == 0 or step == self.config.max_steps:
                 self._save(step)
@@ -191,6 +193,7 @@ class Controller:
             yield next(self.batches)
 
     def _save(self, step: int) -> None:
+        self.inner.sync_state()
         self.last_checkpoint = self.writer.save(step)
         self.watchdog.progress()
 
@@ -253,8 +256,11 @@ class EvaluationHook:
     def __init__(self, source: Source, batch_size: int, devices: Sequence[str], every: int,
                  max_steps: int, summaries: Summaries, log: Callable[..., None],
                  watchdog: PeerClock, history: dict[str, list[float]],
-                 metrics: Sequence[keras.metrics.Metric] = ()):
+                 metrics: Sequence[keras.metrics.Metric] = (), sync_state: Callable[[], None] = lambda: None):
+        """`sync_state`: makes the state's variables current before an evaluation reads them
+        (`InnerStep.sync_state`)."""
         self.source, self.batch_size, self.devices = source, batch_size, devices
+        self.sync_state = sync_state
         self.every, self.max_steps, self.summaries, self.log = every, max_steps, summaries, log
         self.watchdog = watchdog  # an evaluation is local work: no peer wait to time
         self.history, self.metrics = history, metrics
@@ -263,6 +269,7 @@ class EvaluationHook:
         if event.step % self.every or event.step == self.max_steps:
             return
         started = time.perf_counter()
+        self.sync_state()
         with self.watchdog.local_work():
             evaluation = evaluate(event.state.model, self.source, self.batch_size, self.devices,
                                   self.metrics)
@@ -354,7 +361,7 @@ def _train(config: TrainConfig, spec: ModelSpec, source: Source, mode: Mode, wat
     if config.eval_every:
         hooks.append(EvaluationHook(source, config.eval_batch_size, plan.tower_devices,
                                     config.eval_every, config.max_steps, summaries, log, watchdog,
-                                    history, metrics))
+                                    history, metrics, run.inner.sync_state))
     keras_callbacks = (KerasCallbacks(callbacks, users_network(state.model), history)
                        if callbacks else None)
     controller = Controller(config, state, run.inner, batches, writer, hooks, global_batch, log, stop,
@@ -372,6 +379,7 @@ def _train(config: TrainConfig, spec: ModelSpec, source: Source, mode: Mode, wat
         if stop is not None:
             stop.close()
 
+    run.inner.sync_state()  # what the evaluation, the export and the caller read
     # Each step of the end is timed in the log, so a pause after the last update is never silent.
     with watchdog.local_work():
         started = time.perf_counter()

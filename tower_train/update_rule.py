@@ -63,13 +63,25 @@ class UpdateRule:
     moving_average: MovingAverage | None = None
     loss_scale: LossScale | None = None  # only with --precision=fp16
 
-    def clip(self, mean_gradients: list[tf.Tensor]) -> list[tf.Tensor]:
+    def clip(self, mean_gradients: list[tf.Tensor], norm: tf.Tensor | None = None) -> list[tf.Tensor]:
         """The update's gradient (of the weighted mean loss over all G examples, plus the
         regularization) rescaled to a global norm of at most `clip_norm`. Keras's own clipping
-        would clip each replica's share instead."""
+        would clip each replica's share instead. `norm`: the whole gradient's global norm
+        (`global_norm`) when `mean_gradients` are only part of it, as one device's slices."""
         if self.clip_norm is None:
             return list(mean_gradients)
-        return tf.clip_by_global_norm(list(mean_gradients), self.clip_norm)[0]
+        return tf.clip_by_global_norm(list(mean_gradients), self.clip_norm, use_norm=norm)[0]
+
+    @staticmethod
+    def half_squared_norm(gradients: list[tf.Tensor]) -> tf.Tensor:
+        """sum(g ** 2) / 2 over `gradients`, part of a gradient: what `global_norm` adds up."""
+        return tf.reduce_sum(tf.stack([tf.nn.l2_loss(g) for g in gradients]))
+
+    @staticmethod
+    def global_norm(half_squared_norms: list[tf.Tensor]) -> tf.Tensor:
+        """The global norm of a gradient from `half_squared_norm` of each of its parts, as
+        tf.clip_by_global_norm computes it from its tensors'."""
+        return tf.sqrt(tf.reduce_sum(tf.stack(half_squared_norms)) * 2.0)
 
     def apply(self, clipped_gradients: list) -> None:
         """Applies the clipped mean gradient; in a strategy, call it in cross-replica context
@@ -85,10 +97,15 @@ class UpdateRule:
         extended = tf.distribute.get_strategy().extended
         for gradient, variable in zip(clipped_gradients, self.model.trainable_variables, strict=True):
             extended.update(variable.value, self._update_variable, args=(gradient, rate), group=False)
-        self.optimizer.iterations.assign_add(1)
-        self.step.assign_add(1)
+        self.count_update()
         if self.moving_average is not None:
             self.moving_average.update(self.model.trainable_variables, self.step)
+
+    def count_update(self) -> None:
+        """Counts an applied update: the optimizer's iterations (the rate's schedule reads them),
+        the step, and the loss scale's run of finite updates (fp16)."""
+        self.optimizer.iterations.assign_add(1)
+        self.step.assign_add(1)
         if self.loss_scale is not None:
             self.loss_scale.after_applied()
 

@@ -41,7 +41,7 @@ A configuration is named KIND_kK[_bB][_sA-B...][_permicro][_data|_tfrecord|_data
 - _sA-B...: tower kinds only, --tower_split=A,B,...: tower i takes share i of every
   micro-batch. With --slow_tower_ms, tower 0 is made slower than the others, so the
   suite can show what a skewed split saves on unequal devices;
-- _permicro: tower kinds only, --tower_weights=per_micro_step: the towers read the
+- _permicro: tower_pscpu and tower_psgpu only, --tower_weights=per_micro_step: the towers read the
   weights from the parameter device at every micro-step instead of once per update.
 """
 from __future__ import annotations

@@ -11,6 +11,7 @@ KINDS = {
     "plain": "one GradientTape step over all G examples on the parameter device: the reference",
     "tower_pscpu": "tower mode, variables on the host CPU /cpu:0 (the original's placement)",
     "tower_psgpu": "tower mode, variables on GPU 0 (without a GPU, on the first tower's device)",
+    "tower_psspread": "tower mode, the weights, slots and averages in slices on the tower devices",
     "mirrored": "MirroredStrategy over the same towers",
     "central_storage": "CentralStorageStrategy over the same towers and parameter device",
     "keras_fit": "Keras 3 model.fit on one device, optimizer.gradient_accumulation_steps = K",
@@ -19,7 +20,7 @@ MEASURES = ("time", "memory", "traffic", "ops")
 _NAME = re.compile(r"^(?P<kind>[a-z_]+?)_k(?P<accum>\d+)(?:_b(?P<batch>\d+))?(?:_s(?P<split>\d+(?:-\d+)+))?"
                    r"(?P<permicro>_permicro)?(?:_(?P<input>data|tfrecord|dataset))?$")
 NAME_FORM = "KIND_kK[_bB][_sA-B...][_permicro][_data|_tfrecord|_dataset]"
-MODE_KINDS = ("tower_pscpu", "tower_psgpu", "mirrored", "central_storage")  # run by a mode's inner step
+MODE_KINDS = ("tower_pscpu", "tower_psgpu", "tower_psspread", "mirrored", "central_storage")  # run by a mode's inner step
 # One fixed batch; the source's pipeline; streamed files; a tf.data pipeline of the same arrays.
 INPUTS = ("memory", "data", "tfrecord", "dataset")
 
@@ -48,9 +49,9 @@ def parse_config_name(name: str, default_batch_size: int) -> BenchConfig:
     split = match["split"] and match["split"].replace("-", ",")
     if split and not match["kind"].startswith("tower_ps"):
         raise UsageError(f"--configs: {name!r}: _sSHARES (--tower_split) is for the tower kinds only")
-    if match["permicro"] and not match["kind"].startswith("tower_ps"):
-        raise UsageError(f"--configs: {name!r}: _permicro (--tower_weights=per_micro_step) is for the "
-                         "tower kinds only")
+    if match["permicro"] and match["kind"] not in ("tower_pscpu", "tower_psgpu"):
+        raise UsageError(f"--configs: {name!r}: _permicro (--tower_weights=per_micro_step) is for "
+                         "tower_pscpu and tower_psgpu only (tower_psspread sends the weights once per update)")
     return BenchConfig(name, match["kind"], int(match["accum"]), batch, match["input"] or "memory", split,
                        bool(match["permicro"]))
 
@@ -81,6 +82,7 @@ def comparisons(names: list[str], batch_size: int) -> list[tuple[str, str, str]]
     for k in (1, 8):
         pairs += [(f"tower_pscpu_k{k}", f"plain_k{k}", "towers vs one device, same G; goal <= 1.05"),
                   (f"tower_psgpu_k{k}", f"plain_k{k}", "towers vs one device, same G"),
+                  (f"tower_psspread_k{k}", f"tower_pscpu_k{k}", "variables spread over the towers vs on the host"),
                   (f"tower_pscpu_k{k}", f"mirrored_k{k}", "goal <= 1.0"),
                   (f"tower_pscpu_k{k}", f"central_storage_k{k}", ""),
                   (f"tower_pscpu_k{k}", f"keras_fit_k{k}", "goal <= 1.0")]
