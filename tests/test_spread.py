@@ -31,6 +31,7 @@ def held_bytes(slices, variable_rows, owners):
     ([(1, 4)] * 9, 4),  # scalars: each one row
     ([(3, 4), (2, 4)], 8),  # more devices than rows: some hold nothing
     ([(1000, 4), (5, 4000), (64, 4), (64, 4)], 1),
+    ([(3, 4), (5, 0), (0, 4)], 2),  # variables of no bytes: one slice each, on the first device
 ])
 def test_slices_cover_every_row_once_in_order_and_balance_the_bytes(variable_rows, owners):
     slices = slice_rows(variable_rows, owners)
@@ -40,6 +41,7 @@ def test_slices_cover_every_row_once_in_order_and_balance_the_bytes(variable_row
         assert [s.owner for s in own] == sorted(s.owner for s in own)  # contiguous shares
     total = sum(rows * size for rows, size in variable_rows)
     widest_row = max(size for _, size in variable_rows)
+    assert all(s.owner == 0 for s in slices if variable_rows[s.variable][0] * variable_rows[s.variable][1] == 0)
     assert max(held_bytes(slices, variable_rows, owners)) <= total / owners + widest_row
     assert sum(held_bytes(slices, variable_rows, owners)) == total
 
@@ -51,8 +53,9 @@ def test_cifar10_cnns_local3_kernel_is_cut_over_every_device():
     local3 = max(range(len(variables)), key=lambda j: variables[j].shape.num_elements())
     assert variables[local3].shape.num_elements() / sum(v.shape.num_elements() for v in variables) > 0.8
     assert sorted(s.owner for s in slices if s.variable == local3) == [0, 1, 2, 3]
-    # The largest first: the first device's share starts with local3's first row.
+    # The largest first: the first device's share is local3's first rows alone.
     assert Slice(local3, 0, next(s.stop for s in slices if s.variable == local3), 0) in slices
+    assert all(s.variable == local3 for s in slices if s.owner == 0)
     line = run.describe_layout()
     assert ("variables on /cpu:1 1.07 MB, /cpu:2 1.07 MB, /cpu:3 1.07 MB, /cpu:4 1.07 MB of weights in slices "
             "(their slots and averages beside them), counters on /cpu:0, ") in line
@@ -208,6 +211,94 @@ def test_a_run_resumes_under_the_other_placement_as_if_never_stopped(tmp_path, f
     assert len(numbers) == 4 + 8 + 4 + 3  # weights, Adam's two slots each, averages, 3 counters
     for name in numbers:  # all but the object graph and how often each process saved
         np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+class Scaled(keras.layers.Layer):
+    """x * w + u, with weights named `weight_names` (None: Keras's own "variable", "variable_1")."""
+
+    def __init__(self, weight_names=(None, None), **kwargs):
+        super().__init__(**kwargs)
+        self.weight_names = weight_names
+
+    def build(self, shape):
+        self.w, self.u = (self.add_weight(shape=(shape[-1],), initializer="ones", name=name)
+                          for name in self.weight_names)
+
+    def call(self, x):
+        return x * self.w + self.u
+
+
+class UnnamedWeights(Net):
+    """Net with a layer whose two weights Keras names "variable" and "variable_1"."""
+
+    def __init__(self, num_classes: int = 4, **kwargs):
+        super().__init__(num_classes, **kwargs)
+        self.scaled = Scaled()
+
+    def call(self, features, training=False):
+        return super().call(self.scaled(features), training)
+
+
+class CollidingWeights(Net):
+    """Weights a/b_c and a_b/c: their slots would both be named "a_b_c_<slot>"."""
+
+    def __init__(self, num_classes: int = 4, **kwargs):
+        super().__init__(num_classes, **kwargs)
+        self.first = Scaled(("b_c", "d"), name="a")
+        self.second = Scaled(("c", "e"), name="a_b")
+
+    def call(self, features, training=False):
+        return super().call(self.second(self.first(features)), training)
+
+
+def test_slots_pair_with_their_weights_by_name_or_the_run_is_refused_naming_them(tmp_path):
+    options = dict(data=arrays(), num_gpus=2, batch_size=4, optimizer="adam", max_steps=2, eval_every=0)
+    whole = tower_train.fit(model=UnnamedWeights, train_dir=str(tmp_path / "cpu"), **options)
+    spread = tower_train.fit(model=UnnamedWeights, train_dir=str(tmp_path / "spread"), ps_device="spread", **options)
+    assert spread.loss == pytest.approx(whole.loss, rel=1e-6)
+    want, got = checkpoint_values(tmp_path / "cpu"), checkpoint_values(tmp_path / "spread")
+    slots = [name for name in want if name.startswith("optimizer/")]
+    assert len(slots) > 8  # Adam's two slots for each weight, the unnamed ones' included
+    for name in slots:
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-7, err_msg=name)
+    with pytest.raises(tower_train.UsageError) as refused:
+        tower_train.fit(model=CollidingWeights, train_dir=str(tmp_path / "colliding"), ps_device="spread", **options)
+    assert "weights" in str(refused.value) and "a/b_c" in str(refused.value) and "a_b/c" in str(refused.value)
+
+
+class WeightsSeen(keras.callbacks.Callback):
+    """Records the weights after every update, and zeroes the hidden layer's kernel before update 3."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if batch == 3:
+            kernel = self.model.hidden.kernel
+            kernel.assign(tf.zeros_like(kernel))
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.seen.append([w.copy() for w in self.model.get_weights()])
+
+
+def test_evaluations_and_callbacks_read_and_write_the_current_state_as_with_the_cpu_placement(tmp_path):
+    options = dict(model=Net, data=arrays(), eval_data=arrays(), num_gpus=3, batch_size=4, accum=1,
+                   optimizer="momentum", learning_rate=0.1, max_steps=4, eval_every=1)
+    results, callbacks = {}, {}
+    for ps_device in ("cpu", "spread"):
+        callbacks[ps_device] = WeightsSeen()
+        results[ps_device] = tower_train.fit(train_dir=str(tmp_path / ps_device), ps_device=ps_device,
+                                             callbacks=[callbacks[ps_device]], **options)
+    seen = {ps_device: callback.seen for ps_device, callback in callbacks.items()}
+    assert len(seen["spread"]) == 4
+    for update, (got, want) in enumerate(zip(seen["spread"], seen["cpu"], strict=True)):
+        for a, b in zip(got, want, strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=f"update {update + 1}")
+    # The zeroed kernel took effect: update 3 started from it.
+    assert np.abs(seen["spread"][2][0]).max() < np.abs(seen["spread"][1][0]).max() / 10
+    np.testing.assert_allclose(results["spread"].history["val_loss"], results["cpu"].history["val_loss"], rtol=1e-5)
+    assert len(results["spread"].history["val_loss"]) == 4
 
 
 def test_each_tower_receives_the_weights_and_sends_the_gradients_it_does_not_own():

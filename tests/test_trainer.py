@@ -97,7 +97,9 @@ class ScriptedStep:
         self.state, self.accum, self.script, self.clock = state, accum, list(script), clock
         self.during = during or {}
         self.calls: list[dict] = []
-        self.syncs: list[int] = []  # the step at each sync_state
+        self.syncs: list[tuple] = []  # at each sync_state: the step, and the checkpoints saved by then
+        self.written: list[int] = []  # the step at each state_written
+        self.saved: Callable[[], list[int]] = list
         self.held_is_finite = True
 
     def run_update(self, batches):
@@ -118,7 +120,10 @@ class ScriptedStep:
         raise NotImplementedError  # the Controller never traces
 
     def sync_state(self):
-        self.syncs.append(int(self.state.step.numpy()))
+        self.syncs.append((int(self.state.step.numpy()), tuple(self.saved())))
+
+    def state_written(self):
+        self.written.append(int(self.state.step.numpy()))
 
     def held_finite(self):
         return self.held_is_finite
@@ -155,6 +160,7 @@ class Run:
         assert self.writer.restore(self.state.all_finite) is None  # a fresh train_dir
         self.clock = RecordingClock()
         self.inner = ScriptedStep(self.state, self.config.accum, script, self.clock, during)
+        self.inner.saved = self.saved
         self.hooks = [RecordingHook() for _ in range(hooks)]
         self.logged: list[str] = []
         self.controller = trainer.Controller(
@@ -191,7 +197,8 @@ def test_a_run_counts_its_updates_saves_at_the_cadence_and_at_the_end_and_calls_
     assert int(run.state.step.numpy()) == 5 and int(run.state.examples_seen.numpy()) == 5 * g
     # Every 2 updates, and at the last (5); each holds the state of its update.
     assert run.saved() == [2, 4, 5]
-    assert run.inner.syncs == [2, 4, 5]  # the state made current before each save reads it
+    # The state is made current before each save reads it; no callback, so nothing was written.
+    assert run.inner.syncs == [(2, ()), (4, (2,)), (5, (2, 4))] and run.inner.written == []
     for number in (2, 4, 5):
         assert saved_value(run.ckpt(number), "step") == number
         assert saved_value(run.ckpt(number), "examples_seen") == number * g

@@ -276,6 +276,9 @@ def slice_rows(variable_rows: Sequence[tuple[int, int]], owners: int) -> list[Sl
     slices, offset = [], 0
     for j in sorted(range(len(sizes)), key=lambda j: -sizes[j]):
         rows, row_bytes = variable_rows[j]
+        if sizes[j] == 0:  # no bytes to balance: one slice, on the first device
+            slices.append(Slice(j, 0, rows, 0))
+            continue
         # The first row of device d's share: the first whose start byte reaches d T / N.
         cuts = [0, *(min(rows, max(0, -(-(d * total - offset * owners) // (row_bytes * owners))))
                      for d in range(1, owners)), rows]

@@ -69,6 +69,10 @@ class InnerStep(Protocol):
         --ps_device=spread keeps the weights, slots and averages in slices on the towers. Does
         nothing when the TrainState is already current, and in the steps that update it in place."""
 
+    def state_written(self) -> None:
+        """Says that the TrainState's variables may have been written (a Keras callback may set
+        weights): a step that keeps the state elsewhere takes them before its next update."""
+
     def held_finite(self) -> bool:
         """Whether every float value the step keeps of the state away from the TrainState (what
         `sync_state` would write) is finite; True when it keeps none."""

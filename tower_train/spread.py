@@ -77,10 +77,10 @@ class SpreadState:
             with tf.device(device):
                 self._averages.append(None if moving_average is None or not self.owned[d] else
                                       MovingAverage([self.weights[k] for k in self.owned[d]], moving_average.decay))
-        self._scatter = tf.function(self._scatter_values)
+        self.scatter = tf.function(self._scatter_values)
         self.gather = tf.function(self._gather_values)
         self._finite = tf.function(self._all_finite)
-        self._scatter()
+        self.scatter()
 
     def rows(self, value: tf.Tensor, k: int) -> tf.Tensor:
         """Slice k's rows of `value`, a tensor of its whole variable, on the current device."""
@@ -113,25 +113,34 @@ class SpreadState:
     def _pair_slots(self) -> list[tuple[keras.Variable, int, list[keras.Variable]]]:
         """(a slot of the TrainState's optimizer, its weight's index, the slices' slots that make
         it up, in row order), matched by the names Keras gives slots: "<its weight's path>_<slot>",
-        "/" made "_". Every slot of either optimizer must be matched."""
-        def slots_of(variable, optimizer) -> dict[str, keras.Variable]:
-            prefix = variable.path.replace("/", "_") + "_"
-            return {v.name[len(prefix):]: v for v in optimizer.variables if v.name.startswith(prefix)}
+        "/" made "_". Every slot of either optimizer is matched exactly once."""
+        def prefix(variable) -> str:
+            return variable.path.replace("/", "_") + "_"
 
+        prefixes = [prefix(v) for v in self._variables]
+        for j, name in enumerate(prefixes):
+            if prefixes.index(name) != j:
+                raise UsageError(f"--ps_device=spread: weights {self._variables[prefixes.index(name)].path} and "
+                                 f"{self._variables[j].path} give their optimizer slots the same names; rename a "
+                                 "layer so that their paths differ other than by '/' and '_'")
+        whole_slots = {v.name: v for v in self._optimizer.variables}
+        part_slots = {v.name: v for v in self.optimizer.variables}
+        first = prefix(self.weights[0]) if self.weights else ""
+        slot_names = sorted(name[len(first):] for name in part_slots if name.startswith(first))
         pairs = []
         for j, variable in enumerate(self._variables):
-            whole = slots_of(variable, self._optimizer)
-            parts = [slots_of(self.weights[k], self.optimizer) for k in self.slices_of[j]]
-            if any(part.keys() != whole.keys() for part in parts):
-                raise UsageError(f"--ps_device=spread: the optimizer {type(self._optimizer).__name__} keeps slots "
-                                 f"{sorted(whole)} for weight {variable.path} but {sorted(parts[0])} for its slices; "
-                                 "two weights of the model may share a path: name their layers apart")
-            pairs += [(whole[slot], j, [part[slot] for part in parts]) for slot in sorted(whole)]
+            for slot in slot_names:
+                parts = [part_slots.get(prefix(self.weights[k]) + slot) for k in self.slices_of[j]]
+                whole = whole_slots.get(prefixes[j] + slot)
+                if whole is None or any(part is None for part in parts):
+                    raise UsageError(f"--ps_device=spread: the optimizer {type(self._optimizer).__name__} has no "
+                                     f"slot {slot!r} named after weight {variable.path}: it cannot be split")
+                pairs.append((whole, j, parts))
         counters = {id(self._optimizer.iterations), id(getattr(self._optimizer, "_learning_rate", None))}
-        unpaired = [v.name for v in self._optimizer.variables if id(v) not in counters]
-        if len(unpaired) != len(pairs):
+        slots = [v for v in self._optimizer.variables if id(v) not in counters]
+        if len(slots) != len(pairs) or len({id(whole) for whole, _, _ in pairs}) != len(pairs):
             raise UsageError(f"--ps_device=spread: the optimizer {type(self._optimizer).__name__}'s variables "
-                             f"{unpaired} are not all slots of one weight each")
+                             f"{[v.name for v in slots]} are not one slot of each weight per slot name")
         return pairs
 
     def _held_pairs(self) -> list[tuple[object, int, list]]:

@@ -128,6 +128,9 @@ class StrategyStep:
     def sync_state(self) -> None:
         pass  # the strategy updates the TrainState's variables in place
 
+    def state_written(self) -> None:
+        pass  # the next update reads the TrainState's variables themselves
+
     def held_finite(self) -> bool:
         return True
 

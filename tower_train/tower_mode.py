@@ -124,6 +124,7 @@ class TowerStep:
         self._spread = (SpreadState(model.trainable_variables, rule.optimizer, rule.moving_average, placement)
                         if spread else None)
         self._synced = True  # whether the TrainState's variables hold the slices' values
+        self._written = False  # whether they were written since, so that the slices must take them
         # Per tower, on its device: a copy of the trainable weights, or None to read them from the
         # parameter device. Not state: a TowerStep is not checkpointed, and each update refreshes them.
         # Spread: every tower, since the TrainState's weights are not current.
@@ -150,6 +151,9 @@ class TowerStep:
 
     def run_update(self, batches: Iterator[Batch]) -> UpdateResult:
         """Takes K global micro-batches from `batches` and applies one update."""
+        if self._written:
+            self._spread.scatter()
+            self._written = False
         if self.copies_weights:
             self.refresh_weights()
         for _ in range(self._accum - 1):
@@ -162,6 +166,9 @@ class TowerStep:
         if not self._synced:
             self._spread.gather()
             self._synced = True
+
+    def state_written(self) -> None:
+        self._written = self._spread is not None
 
     def held_finite(self) -> bool:
         return self._spread is None or self._spread.finite()

@@ -120,10 +120,11 @@ class Controller:
                      self.config.max_steps)
         tracing = True
         if self.callbacks is not None:
+            self.inner.sync_state()
             self.callbacks.train_begin()  # nothing trained yet: its error needs no save
+            self.inner.state_written()
         while step < self.config.max_steps:
             if self.callbacks is not None:
-                self.inner.sync_state()  # the callbacks may read the weights
                 self.call_callbacks(lambda: self.callbacks.update_begin(_value(self.state.step) + 1))
             start = time.perf_counter()
             try:
@@ -157,7 +158,6 @@ class Controller:
             for hook in self.hooks:
                 hook.after_update(event)
             if self.callbacks is not None:
-                self.inner.sync_state()
                 self.call_callbacks(lambda: self.callbacks.after_update(event))
             if step % self.config.checkpoint_every == 0 or step == self.config.max_steps:
                 self._save(step)
@@ -170,10 +170,13 @@ class Controller:
         return loss
 
     def call_callbacks(self, call: Callable[[], None]) -> None:
-        """`call()`, which calls the user's callbacks; their error (a UserCodeError) saves the
-        training done up to this update boundary first, and says where."""
+        """`call()`, which calls the user's callbacks, on the current state, which they may read
+        and write; their error (a UserCodeError) saves the training done up to this update
+        boundary first, and says where."""
+        self.inner.sync_state()
         try:
             call()
+            self.inner.state_written()
         except UserCodeError as e:
             self._save_boundary(_value(self.state.step))
             saved = self.last_checkpoint or "no checkpoint"
