@@ -3,8 +3,8 @@
 `devices.slice_rows` cuts the trainable variables along their first axis into byte-balanced
 shares, one per tower device. `SpreadState` holds, on each slice's device, the slice of the
 weights, the optimizer's slots for it and its moving average, and updates them there
-(`apply`): the optimizer's update is elementwise, so a slice updated alone changes exactly as
-its rows of the whole variable would. The slots belong to a second optimizer of the same class
+(`apply`): the optimizer's update is elementwise, so a slice updated alone changes as its rows
+of the whole variable would, to float rounding. The slots belong to a second optimizer of the same class
 and settings, built over the slices (Keras creates each slot beside its variable).
 `tower_mode.TowerStep` sends each tower the slices it needs and each owner its rows of the
 gradient sums.
@@ -103,7 +103,7 @@ class SpreadState:
 
     def held_variables(self) -> list:
         """The slots and averages: state that never leaves its device."""
-        return [part for whole, j, parts in self._held_pairs() for part in parts]
+        return [part for _, _, parts in self._held_pairs() for part in parts]
 
     def finite(self) -> bool:
         """Whether every value of the slices, their slots and averages is finite: one reduction on
