@@ -22,7 +22,7 @@ from tower_train.model_spec import ModelSpec, build_model
 from tower_train.models import TowerModel
 from tower_train.modes import Mode
 from tower_train.schedules import MovingAverage, UpdateSchedule, scaled_rate, updates_per_decay
-from tower_train.update_rule import LossScale, UpdateRule
+from tower_train.update_rule import LossScale, UpdateRule, tensors_finite
 
 _MOMENTUM = 0.9  # the usual value for --optimizer=momentum
 
@@ -84,7 +84,7 @@ class TrainState:
 
         @tf.function
         def all_finite() -> tf.Tensor:
-            return tf.reduce_all(tf.stack([tf.reduce_all(tf.math.is_finite(v)) for v in floats]))
+            return tensors_finite(floats)
 
         return lambda: bool(all_finite())
 

@@ -25,6 +25,7 @@ import tensorflow as tf
 from tower_train.devices import Slice, SpreadPlacement
 from tower_train.errors import UsageError
 from tower_train.schedules import MovingAverage
+from tower_train.update_rule import tensors_finite
 
 _SLICE_NAME = "spread_slice_{}"
 
@@ -182,6 +183,6 @@ class SpreadState:
         verdicts = []
         for d, parts in sorted(held.items()):
             with tf.device(self.devices[d]):
-                verdicts.append(tf.reduce_all(tf.stack([tf.reduce_all(tf.math.is_finite(p)) for p in parts])))
+                verdicts.append(tensors_finite(parts))
         with tf.device(self._host):
             return tf.reduce_all(tf.stack(verdicts)) if verdicts else tf.constant(True)

@@ -66,7 +66,7 @@ device.
 """
 from __future__ import annotations
 
-from typing import Iterator, Mapping, Sequence
+from typing import Callable, Iterator, Mapping, Sequence
 
 import tensorflow as tf
 
@@ -76,7 +76,7 @@ from tower_train.spread import SpreadState, joined
 from tower_train.towers import (TowerResult, combine_gradients, labels_per_shard, pass_seeds,
                                 read_in_compute_dtype, regularization_gradients, run_on_towers,
                                 seed_generator_states, split_batch, tower_function)
-from tower_train.update_rule import TrainingStatistics, UpdateRule
+from tower_train.update_rule import TrainingStatistics, UpdateRule, tensors_finite
 from tower_train.update_sums import UpdateSums
 
 
@@ -311,19 +311,8 @@ class TowerStep:
             if rule.loss_scale is not None:
                 mean_grads = rule.loss_scale.unscale(mean_grads)
             mean_grads = [g + r for g, r in zip(mean_grads, regularization_grads, strict=True)]
-            finite = tf.reduce_all(tf.stack(
-                [tf.math.is_finite(mean_loss)] + [tf.reduce_all(tf.math.is_finite(g)) for g in mean_grads]))
-            decision = rule.decide(total_weight, finite, mean_loss)
-
-            def apply() -> None:
-                rule.apply(rule.clip(mean_grads))
-                self._statistics.keep()
-
-            def refuse() -> None:
-                self._statistics.restore()
-                rule.refuse(decision)
-
-            tf.cond(tf.equal(decision, int(Decision.APPLIED)), apply, refuse)
+            decision = rule.decide(total_weight, tensors_finite([mean_loss, *mean_grads]), mean_loss)
+            self._settle(decision, lambda: rule.apply(rule.clip(mean_grads)))
         return mean_loss, decision
 
     def _reduce_on_owners(self, tower_grads: list[list[tf.Tensor]], results: Sequence[TowerResult],
@@ -367,7 +356,7 @@ class TowerStep:
                     owner_grads[d] = grads
                     if rule.clip_norm is not None:
                         halves.append(rule.half_squared_norm(grads))
-                    finite.append(tf.reduce_all(tf.stack([tf.reduce_all(tf.math.is_finite(g)) for g in grads])))
+                    finite.append(tensors_finite(grads))
         with tf.device(self._param_device):
             mean_loss = self._mean_loss(results, total_weight, regularization)
             decision = rule.decide(total_weight, tf.reduce_all(tf.stack([tf.math.is_finite(mean_loss), *finite])),
@@ -379,17 +368,21 @@ class TowerStep:
                 tf.cond(applied, lambda d=d, grads=grads: spread.apply(d, rule.clip(grads, norm), rate, update_number),
                         lambda: None)
         with tf.device(self._param_device):
-            def apply() -> None:
-                rule.count_update()
-                spread.count_update()
-                self._statistics.keep()
-
-            def refuse() -> None:
-                self._statistics.restore()
-                rule.refuse(decision)
-
-            tf.cond(applied, apply, refuse)
+            self._settle(decision, lambda: (rule.count_update(), spread.count_update()))
         return mean_loss, decision
+
+    def _settle(self, decision: tf.Tensor, apply: Callable[[], object]) -> None:
+        """On the current device (the parameter device, or spread's host): `apply()` and keep
+        the BN statistics if the update is applied, else put them back and refuse it."""
+        def applied() -> None:
+            apply()
+            self._statistics.keep()
+
+        def refused() -> None:
+            self._statistics.restore()
+            self._rule.refuse(decision)
+
+        tf.cond(tf.equal(decision, int(Decision.APPLIED)), applied, refused)
 
     def _exact_weights(self, device: int) -> list[tf.Tensor]:
         """Spread: the trainable weights at tower `device`, from its copy, except where the copy

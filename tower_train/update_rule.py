@@ -54,6 +54,12 @@ class LossScale(tf.Module):
         self.good_updates.assign(0)
 
 
+def tensors_finite(values) -> tf.Tensor:
+    """A bool scalar: whether every element of every tensor (or variable) in `values` is finite,
+    on the current device."""
+    return tf.reduce_all(tf.stack([tf.reduce_all(tf.math.is_finite(v)) for v in values]))
+
+
 @dataclasses.dataclass(frozen=True)
 class UpdateRule:
     model: TowerModel
