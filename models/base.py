@@ -71,6 +71,7 @@ class TowerModel(keras.Model):
         # once it has traced one (tower_train/model_spec.py), so the modes know before they trace.
         self.adds_batch_losses = False
         self._weight_values: list[tf.Tensor] | None = None  # set inside using(weights=...)
+        self._held_scope: keras.StatelessScope | None = None  # set inside using(statistics=...)
 
     @property
     def seed_states(self) -> list[keras.Variable]:
@@ -80,9 +81,18 @@ class TowerModel(keras.Model):
         weights = {id(w) for w in self.weights}
         return list({id(v): v for v in self.variables if id(v) not in weights}.values())
 
+    @property
+    def state_variables(self) -> list[keras.Variable]:
+        """The non-trainable variables other than the SeedGenerators' states: what a training call
+        reads and may move besides the weights (BN's moving statistics, a frozen layer's weights),
+        in the order of `non_trainable_variables`; what `using(statistics=...)` replaces."""
+        seeds = {id(v) for v in self.seed_states}
+        return [v for v in self.non_trainable_variables if id(v) not in seeds]
+
     @contextlib.contextmanager
     def using(self, weights: Sequence[tf.Tensor] | None = None,
-              seeds: Sequence[tf.Tensor] | None = None) -> Iterator[None]:
+              seeds: Sequence[tf.Tensor] | None = None,
+              statistics: Sequence[tf.Tensor] | None = None) -> Iterator[dict[str, tf.Tensor]]:
         """Calls inside run the model with `weights` (one tensor per trainable variable, same
         order) in place of its trainable variables, and with `seeds` (one int64 [2] tensor per
         `seed_states`) in place of its SeedGenerators' states; the variables replaced are
@@ -91,24 +101,36 @@ class TowerModel(keras.Model):
         Tower mode uses `weights` to run a tower on its own copy of the weights; every mode
         passes `seeds`, so that a tower pass's randomness is a function of its seeds alone
         (tower_train/towers.py). A draw advances its generator's state inside the scope only.
-        The other non-trainable variables (BN's moving statistics) stay the real ones: they are
-        read as usual, and what the calls assign to them is written to them on exit, in the
-        order of `non_trainable_variables`, so they move once per call, as outside.
+        The other non-trainable variables (BN's moving statistics: `state_variables`) stay the
+        real ones: they are read as usual, and what the calls assign to them is written to them
+        on exit, in the order of `non_trainable_variables`, so they move once per call, as
+        outside. With `statistics` (one tensor per `state_variables`) the calls start from those
+        values instead and no variable is read or written: the context's dict then holds, on
+        exit, the value each moved one ended at, keyed by its index in `state_variables`, for
+        the caller to write (an XLA-compiled tower cannot touch another device's variables).
         """
-        if weights is None and seeds is None:
-            yield
+        moved: dict[str, tf.Tensor] = {}
+        if weights is None and seeds is None and statistics is None:
+            yield moved
             return
         replaced = [] if weights is None else list(zip(self.trainable_variables, weights, strict=True))
         seeded = [] if seeds is None else list(zip(self.seed_states, seeds, strict=True))
+        held = [] if statistics is None else list(zip(self.state_variables, statistics, strict=True))
         self._weight_values = None if weights is None else list(weights)
         try:
             # collect_losses: else Keras drops what add_loss adds inside the scope.
-            with keras.StatelessScope(state_mapping=replaced + seeded, initialize_variables=False,
+            with keras.StatelessScope(state_mapping=replaced + seeded + held, initialize_variables=False,
                                       collect_losses=True) as scope:
-                yield
+                started = [scope.get_current_value(variable) for variable, _ in held]
+                self._held_scope = scope if held else None
+                yield moved
         finally:
-            self._weight_values = None
-        kept_apart = {id(variable) for variable, _ in seeded}
+            self._weight_values, self._held_scope = None, None
+        for i, ((variable, _), start) in enumerate(zip(held, started, strict=True)):
+            value = scope.get_current_value(variable)
+            if value is not start:
+                moved[str(i)] = value
+        kept_apart = {id(variable) for variable, _ in seeded + held}
         _write_moved([v for v in self.non_trainable_variables if id(v) not in kept_apart], scope)
 
     def batch_norm(self, **layer_kwargs) -> keras.layers.BatchNormalization:
@@ -160,7 +182,11 @@ class TowerModel(keras.Model):
             # would notice.
             nonlocal calls
             calls += 1
-            with keras.StatelessScope(state_mapping=list(zip(variables, values)),
+            # Under using(statistics=...) no variable may be read (XLA): the values its scope holds.
+            held = ([] if self._held_scope is None else
+                    [(v, self._held_scope.get_current_value(v)) for v in self.non_trainable_variables
+                     if self._held_scope.get_current_value(v) is not None])
+            with keras.StatelessScope(state_mapping=list(zip(variables, values)) + held,
                                       initialize_variables=False) as scope:
                 outputs = block(inputs, training=True)
             if calls == 1:  # into using()'s scope; the recomputation's writes are dropped

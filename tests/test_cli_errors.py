@@ -68,7 +68,9 @@ CASES = [
     (["--export_dir={tmp}"], "exists and is not empty"),
     (["--export_dir={file}"], "is a file, not a directory"),
     (["--precision=fp8"], "--precision=fp8: unknown; allowed: fp32, bf16, fp16"),
-    (["--num_gpus=2", "--jit_compile"], "--jit_compile: XLA cannot read the variables on /cpu:0"),
+    (["--mode=central_storage", "--num_gpus=2", "--jit_compile"],
+     "--jit_compile: XLA cannot read the variables on /cpu:0 from towers on /cpu:1../cpu:2 "
+     "(--mode=central_storage); use --mode=tower or --mode=mirrored"),
     (["--num_gpus=100000"], "--num_gpus=100000: no GPU found, and the CPU is split into at most 64 towers"),
     (["--num_gpus=2", "--batch_size=100000000"],
      "--batch_size=100000000 x 2 tower(s): 200,000,000 examples of 6,912 bytes"),

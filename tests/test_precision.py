@@ -17,6 +17,7 @@ from test_cli_errors import run_cli
 import test_traffic  # noqa: F401 (registers test_traffic_probe: Dense, BN, Dense)
 import tower_train.models as models
 from tower_train import tower_mode
+from tower_train.devices import canonical_device
 from tower_train.inner_step import Decision
 from tower_train.towers import read_in_compute_dtype
 from tower_train.update_rule import LossScale
@@ -103,6 +104,36 @@ def test_jit_compile_gives_the_same_update(layout):
     want, _ = first_update_delta(**layout)
     got, _ = first_update_delta(jit_compile=True, **layout)
     assert relative_error(got, want) < 1e-4
+
+
+def compiled_calls(run) -> list[str]:
+    """The devices of the calls of XLA-compiled functions in a run's traced update."""
+    calls = []
+    for function, _ in run.inner.traced_update(test_traffic.batch_spec(4 * 4)):
+        for op in function.graph.get_operations():
+            attr = op.node_def.attr.get("_XlaMustCompile")
+            if op.type in ("StatefulPartitionedCall", "PartitionedCall") and attr is not None and attr.b:
+                calls.append(canonical_device(op.device))
+    return calls
+
+
+@pytest.mark.parametrize("layout", [
+    dict(ps_device="cpu"), dict(ps_device="spread"), dict(ps_device="cpu", tower_weights="per_micro_step"),
+    dict(ps_device="cpu", accum=1), dict(ps_device="cpu", model="test_traffic_probe")],
+    ids=["cpu", "spread", "cpu-per-micro-step", "cpu-k1", "cpu-batchnorm"])
+def test_jit_compile_in_tower_mode_compiles_every_tower_off_the_parameter_device(layout):
+    """Four towers on /cpu:1..4, variables on /cpu:0 (or in slices on the towers): each tower's
+    pass is compiled for its device over the values it is handed, and three updates (momentum,
+    BN's moving statistics for the probe) equal those without XLA to float rounding."""
+    layout = dict(num_gpus=4, **{"accum": 2, **layout}, **{**SGD, "optimizer": "momentum"})
+    compiled = make_run(jit_compile=True, **layout)
+    calls = compiled_calls(compiled)
+    towers = [canonical_device(f"/cpu:{i}") for i in range(1, 5)]
+    assert sorted(set(calls)) == towers and not compiled_calls(make_run(**layout))
+    start = weights(compiled.state.model)
+    got, want = trained(compiled), trained(make_run(**layout))
+    assert relative_error(got, want) < 1e-4
+    assert relative_error(got[:len(start)], start) > 1e-3  # the updates moved the weights
 
 
 def test_the_cli_trains_in_fp16_and_logs_the_loss_scale(tmp_path):

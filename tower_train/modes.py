@@ -59,11 +59,13 @@ def resolve_all_reduce(mode: str, choice: str, plan: DevicePlan) -> str:
 
 def check_jit_compile(mode: str, plan: DevicePlan) -> None:
     """XLA compiles a tower for its own device and cannot read variables held on another one
-    (tensorflow.org/xla/known_issues), so it needs each tower to hold the variables it reads."""
-    if not MODE_RULES[mode].mirrors_variables and set(plan.tower_devices) != {plan.param_device}:
+    (tensorflow.org/xla/known_issues). Tower mode hands its compiled towers the values instead
+    (`towers.compiled_tower_function`); CentralStorageStrategy's replicas read its variables."""
+    rules = MODE_RULES[mode]
+    if not (rules.mirrors_variables or rules.places_towers) and set(plan.tower_devices) != {plan.param_device}:
         raise UsageError(f"--jit_compile: XLA cannot read the variables on {plan.param_device} from "
-                         f"towers on {device_span(plan.tower_devices)} (--mode={mode}); use --mode=mirrored, "
-                         "or one tower on the parameter device (--num_gpus=1 --ps_device=gpu)")
+                         f"towers on {device_span(plan.tower_devices)} (--mode={mode}); use --mode=tower "
+                         "or --mode=mirrored")
 
 
 class Mode:

@@ -73,8 +73,8 @@ import tensorflow as tf
 from tower_train.devices import OneDevice, SpreadPlacement, canonical_device
 from tower_train.inner_step import Batch, BatchSpec, Decision, UpdateResult
 from tower_train.spread import SpreadState, joined
-from tower_train.towers import (TowerResult, combine_gradients, labels_per_shard, pass_seeds,
-                                read_in_compute_dtype, regularization_gradients, run_on_towers,
+from tower_train.towers import (TowerResult, combine_gradients, compiled_tower_function, labels_per_shard,
+                                pass_seeds, read_in_compute_dtype, regularization_gradients, run_on_towers,
                                 seed_generator_states, split_batch, tower_function)
 from tower_train.update_rule import TrainingStatistics, UpdateRule, tensors_finite
 from tower_train.update_sums import UpdateSums
@@ -93,7 +93,9 @@ class TowerStep:
         `transfer_dtype`: the dtype the towers' gradient sums cross devices in (float32, bfloat16
         or float16)."""
         model = rule.model
-        self._tower = tower_function(model, rule.loss_scale, jit_compile)
+        self._jit_compile = jit_compile
+        self._tower = (compiled_tower_function(model, rule.loss_scale) if jit_compile
+                       else tower_function(model, rule.loss_scale))
         self._rule = rule
         self._devices = tuple(tower_devices)
         self._shard_sizes = tuple(shard_sizes)  # examples of each tower per micro-step
@@ -226,8 +228,11 @@ class TowerStep:
 
     def _towers(self, batch: Batch) -> list:
         weights = list(self._weight_copies)
-        reads = [copies is None and remote for copies, remote in zip(weights, self._remote, strict=True)]
-        if any(self._narrow_weights) and any(reads):
+        # The towers without a copy that read what the parameter device sends: those off it when
+        # weights travel narrowed, and every one under XLA, whose compiled pass reads no variable.
+        reads = [copies is None and (remote or self._jit_compile)
+                 for copies, remote in zip(weights, self._remote, strict=True)]
+        if (any(self._narrow_weights) or self._jit_compile) and any(reads):
             sent = self._sent_weights()  # read once per micro-step, then sent to each tower
             weights = [sent if read else copies for copies, read in zip(weights, reads, strict=True)]
         shards = [(*shard, copies) for shard, copies in

@@ -58,12 +58,15 @@ class TowerResult(NamedTuple):
     batch_loss: tf.Tensor  # float32 scalar a: the sum of the call's batch losses (0 without any)
     # Of S x a, one per trainable variable; None for a model that adds no batch loss.
     batch_gradients: list[tf.Tensor] | None
+    # For a pass given the values of `model.state_variables` (statistics=...): the value each one it
+    # moved ended at, keyed by its index there, for the caller to write; else None.
+    moved_statistics: dict[str, tf.Tensor] | None = None
 
 
 def tower_loss_and_gradients(
     model: TowerModel, features: tf.Tensor, labels: tf.Tensor, weights: tf.Tensor,
     loss_scale: tf.Tensor | None = None, weight_copies: Sequence[tf.Variable] | None = None,
-    seeds: tf.Tensor | None = None,
+    seeds: tf.Tensor | None = None, statistics: Sequence[tf.Tensor] | None = None,
 ) -> TowerResult:
     """One tower's forward and backward pass.
 
@@ -80,6 +83,9 @@ def tower_loss_and_gradients(
         the pass rounds it to the very same value. BN's moving statistics move the same either way.
       seeds: None to let the model's SeedGenerators run as Keras runs them (their variables
         move); or int64 [S, 2], the states this pass gives them (`pass_seeds`).
+      statistics: None to read and move `model.state_variables` (BN's moving statistics) as
+        Keras does; or one tensor per such variable, its current value: the pass then touches no
+        variable and returns the values it moved (`TowerResult.moved_statistics`).
 
     Returns:
       A `TowerResult`: the float32 scalars sum(w * loss) and sum(w) over the shard, and the
@@ -97,7 +103,7 @@ def tower_loss_and_gradients(
         if weight_copies is not None:
             tape.watch(sources)
         with model.using(weights=None if weight_copies is None else sources,
-                         seeds=None if seeds is None else tf.unstack(seeds)):
+                         seeds=None if seeds is None else tf.unstack(seeds), statistics=statistics) as moved:
             logits = model(features, training=True)
             losses = tf.cast(model.per_example_loss(labels, logits), tf.float32)
             batch_loss = model.batch_loss()
@@ -114,7 +120,8 @@ def tower_loss_and_gradients(
     batch_gradients = None
     if model.adds_batch_losses:
         batch_gradients = dense(tape.gradient(batch_objective, sources), model.trainable_variables)
-    return TowerResult(weighted_loss_sum, tf.reduce_sum(weights), gradients, batch_loss, batch_gradients)
+    return TowerResult(weighted_loss_sum, tf.reduce_sum(weights), gradients, batch_loss, batch_gradients,
+                       None if statistics is None else moved)
 
 
 def dense(gradients: Sequence[tf.Tensor | tf.IndexedSlices | None], variables) -> list[tf.Tensor]:
@@ -148,7 +155,7 @@ def tower_function(
     """`tower_loss_and_gradients` of `model` as a function of (features, labels, weights[,
     weight_copies[, seeds]]), reading the current loss scale at every call; with `jit_compile`,
     compiled by XLA for the device it is called on (which must hold the model's variables: XLA
-    cannot read another device's)."""
+    cannot read another device's; `compiled_tower_function` reads none)."""
     def tower(features: tf.Tensor, labels: tf.Tensor, weights: tf.Tensor,
               weight_copies: Sequence[tf.Variable] | None = None,
               seeds: tf.Tensor | None = None) -> TowerResult:
@@ -157,6 +164,31 @@ def tower_function(
             None if loss_scale is None else loss_scale.value.read_value(), weight_copies, seeds)
 
     return tf.function(tower, jit_compile=True) if jit_compile else tower
+
+
+def compiled_tower_function(model: TowerModel, loss_scale: LossScale | None = None) -> Callable[..., TowerResult]:
+    """`tower_loss_and_gradients` of `model` compiled by XLA for the device it is called on, as a
+    function of (features, labels, weights, weight_copies[, seeds]), for towers whose variables
+    live elsewhere (tower mode). XLA cannot read another device's variables, so the compiled pass
+    reads none: the weights come as `weight_copies` (a tower's copy, or the parameter device's
+    values), and the loss scale and `model.state_variables` are read outside it, in program
+    order, the values it moved written back after it, as an uncompiled pass would."""
+    @tf.function(jit_compile=True)
+    def compiled(features, labels, weights, weight_values, statistics, seeds, scale) -> TowerResult:
+        return tower_loss_and_gradients(model, features, labels, weights, scale, weight_values, seeds,
+                                        statistics)
+
+    def tower(features: tf.Tensor, labels: tf.Tensor, weights: tf.Tensor,
+              weight_copies: Sequence[tf.Variable | tf.Tensor], seeds: tf.Tensor | None = None) -> TowerResult:
+        state = model.state_variables
+        result = compiled(features, labels, weights, [tf.convert_to_tensor(c) for c in weight_copies],
+                          [tf.convert_to_tensor(v) for v in state], seeds,
+                          None if loss_scale is None else loss_scale.value.read_value())
+        for index, value in result.moved_statistics.items():
+            state[int(index)].assign(value)
+        return result._replace(moved_statistics=None)
+
+    return tower
 
 
 def seed_generator_states(model: TowerModel) -> tf.Tensor | None:
