@@ -168,6 +168,7 @@ def trained(run, updates: int = 3) -> list[np.ndarray]:
     batches = run.batches()
     for _ in range(updates):
         assert run.inner.run_update(batches).applied
+    run.inner.sync_state()  # spread: the slices' values into the model's variables
     return weights(run.state.model) + [np.asarray(v) for v in run.state.model.non_trainable_variables]
 
 
