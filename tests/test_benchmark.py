@@ -101,6 +101,7 @@ def test_memory_runs_each_configuration_in_its_own_process(tmp_path):
     rows = [line.split() for line in lines[1:1 + len(names)]]
     assert [row[0] for row in rows] == names
     activations = [r["peak_rss_mb"] - r["rss_before_mb"] - r["floor_added_mb"] for r in results]
+    assert activations == [r["activations_mb"] for r in results]  # no GPU: from the host's RSS
     for row, r, act in zip(rows, results, activations):
         assert [int(v) for v in row[1:4]] == [r["global_batch"], r["accum"], r["batch_per_tower"]], row
         printed = [float(v) for v in row[4:8]]

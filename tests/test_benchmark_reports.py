@@ -2,14 +2,16 @@
 moved_mb), traffic_report.format_traffic_report, ops.format_ops_report,
 memory.format_memory_report, and the command's --link_gbps check. Every figure expected here is
 worked out by hand in the test."""
+import json
 import re
 
 import pytest
 
 from tower_train.benchmark import _link_speeds
 from tower_train.benchmark.memory import format_memory_report
+from tower_train.benchmark.names import parse_config_name
 from tower_train.benchmark.ops import format_ops_report
-from tower_train.benchmark.timing import Measurement, format_report, moved_mb
+from tower_train.benchmark.timing import Measurement, devices_text, format_report, moved_mb
 from tower_train.benchmark.traffic_report import format_traffic_report
 from tower_train.errors import UsageError
 
@@ -19,9 +21,10 @@ NONE_MOVED = {"weights": 0, "gradients": 0, "statistics": 0, "input": 0, "other"
 
 def measured(config: str, global_batch: int, examples_per_sec: float, jitter: float, sec_per_update: float,
              labels_per_example: int = 1, bytes_per_update: dict | None = None,
-             input_examples_per_sec: float | None = None) -> Measurement:
+             input_examples_per_sec: float | None = None, compute_devices: list[str] | None = None) -> Measurement:
     return Measurement(config, global_batch, examples_per_sec, jitter, sec_per_update, labels_per_example,
-                       bytes_per_update, input_examples_per_sec, None, None)
+                       bytes_per_update, input_examples_per_sec, None, None,
+                       compute_devices or [f"/cpu:{i}" for i in range(1, TOWERS + 1)])
 
 
 def moved(copied: dict, collective: dict | None = None) -> dict:
@@ -40,7 +43,7 @@ def test_moved_mb_adds_the_copied_and_the_collective_bytes_of_a_category():
 
 def test_the_time_report_prints_each_row_compares_time_per_example_and_rates_the_input():
     results = [
-        measured("plain_k1", 8, 160.0, 3.25, 0.05),
+        measured("plain_k1", 8, 160.0, 3.25, 0.05, compute_devices=["/cpu:1"]),
         measured("tower_pscpu_k1", 8, 200.0, 0.5, 0.04,
                  bytes_per_update=moved({"weights": 4_273_192, "gradients": 4_273_208, "input": 27_680})),
         measured("tower_pscpu_k8", 64, 250.0, 12.0, 0.256,
@@ -52,14 +55,14 @@ def test_the_time_report_prints_each_row_compares_time_per_example_and_rates_the
     ]
     lines = format_report(results, TOWERS, BATCH).splitlines()
     assert lines[0].split() == ["config", "G", "examples/sec", "sec/update", "weights", "MB", "grads", "MB",
-                                "stats", "MB"]
-    # config, G, examples/sec +/- jitter, sec/update, MB of weights, gradients and statistics
+                                "stats", "MB", "computes", "on"]
+    # config, G, examples/sec +/- jitter, sec/update, MB of weights, gradients and statistics, devices
     assert [line.split() for line in lines[1:6]] == [
-        ["plain_k1", "8", "160.0", "+/-", "3.2", "0.0500", "-", "-", "-"],  # 3.25 rounds to even
-        ["tower_pscpu_k1", "8", "200.0", "+/-", "0.5", "0.0400", "4.27", "4.27", "0.00"],
-        ["tower_pscpu_k8", "64", "250.0", "+/-", "12.0", "0.2560", "4.27", "4.27", "0.01"],
-        ["mirrored_k8", "64", "125.0", "+/-", "1.0", "0.5120", "0.00", "8.55", "0.00"],  # 8,547,400 B
-        ["tower_pscpu_k8_data", "64", "200.0", "+/-", "2.0", "0.3200", "4.27", "4.27", "0.00"]]
+        ["plain_k1", "8", "160.0", "+/-", "3.2", "0.0500", "-", "-", "-", "/cpu:1"],  # 3.25 rounds to even
+        ["tower_pscpu_k1", "8", "200.0", "+/-", "0.5", "0.0400", "4.27", "4.27", "0.00", "/cpu:1..2"],
+        ["tower_pscpu_k8", "64", "250.0", "+/-", "12.0", "0.2560", "4.27", "4.27", "0.01", "/cpu:1..2"],
+        ["mirrored_k8", "64", "125.0", "+/-", "1.0", "0.5120", "0.00", "8.55", "0.00", "/cpu:1..2"],  # 8,547,400 B
+        ["tower_pscpu_k8_data", "64", "200.0", "+/-", "2.0", "0.3200", "4.27", "4.27", "0.00", "/cpu:1..2"]]
     # Seconds per example: plain_k1 0.05/8 = 0.00625, tower_pscpu_k1 0.04/8 = 0.005,
     # tower_pscpu_k8 0.256/64 = 0.004, mirrored_k8 0.512/64 = 0.008, tower_pscpu_k8_data 0.32/64 = 0.005:
     # the pairs of the suite that were both run, in the suite's order.
@@ -80,11 +83,19 @@ def test_the_time_report_counts_tokens_when_a_configuration_has_labels_per_posit
     results = [measured("tower_pscpu_k2", 16, 125.5, 1.5, 0.1275, labels_per_example=48),
                measured("plain_k2", 16, 200.0, 4.0, 0.08)]
     lines = format_report(results, TOWERS, BATCH).splitlines()
-    assert lines[0].split()[-1] == "tokens/sec"
+    assert lines[0].split()[-3] == "tokens/sec"
     rows = [line.split() for line in lines[1:3]]
-    assert [row[-1] for row in rows] == ["6024", "200"]  # 125.5 x 48 labels; 200 x 1
-    assert [len(row) for row in rows] == [10, 10]
+    assert [row[-2] for row in rows] == ["6024", "200"]  # 125.5 x 48 labels; 200 x 1
+    assert [len(row) for row in rows] == [11, 11]
     assert lines[-2].endswith("; tokens/sec counts every label position, padding included")
+
+
+def test_devices_are_written_as_a_range_when_they_are_consecutive_devices_of_one_kind():
+    assert devices_text(["/gpu:0", "/gpu:1", "/gpu:2", "/gpu:3"]) == "/gpu:0..3"
+    assert devices_text(["/cpu:1"]) == "/cpu:1"
+    assert devices_text(["/cpu:1", "/cpu:3"]) == "/cpu:1,/cpu:3"  # a gap
+    assert devices_text(["/cpu:0", "/gpu:0"]) == "/cpu:0,/gpu:0"  # two kinds
+    assert devices_text([]) == "-"
 
 
 def test_the_traffic_report_prints_megabytes_and_the_busiest_devices_time_on_each_link():
@@ -143,33 +154,64 @@ def test_the_ops_report_sums_busy_time_without_idle_and_names_the_top_six_op_typ
 
 
 def memory_result(config: str, global_batch: int, accum: int, batch: int, before: float, peak: float,
-                  floor_added: float, gpu_peak_mb: dict | None = None) -> dict:
+                  floor_added: float, activations: float, gpu_peak_mb: dict | None = None) -> dict:
     return {"config": config, "global_batch": global_batch, "accum": accum, "batch_per_tower": batch,
             "rss_before_mb": before, "peak_rss_mb": peak, "floor_added_mb": floor_added,
-            "gpu_peak_mb": gpu_peak_mb or {}}
+            "gpu_peak_mb": gpu_peak_mb or {}, "activations_mb": activations}
 
 
 def test_the_memory_report_takes_the_floor_off_and_compares_activations_with_the_first_row():
-    results = [memory_result("tower_pscpu_k1_b32", 64, 1, 32, 512.4, 812.6, 100.2),
-               memory_result("tower_pscpu_k2_b16", 64, 2, 16, 510.0, 660.0, 50.0,
+    results = [memory_result("tower_pscpu_k1_b32", 64, 1, 32, 512.4, 812.6, 100.2, 200.2),
+               memory_result("tower_pscpu_k2_b16", 64, 2, 16, 510.0, 660.0, 50.0, 100.0,
                              {"GPU:0": 1234.4, "GPU:1": 99.6})]
     lines = format_memory_report(results).splitlines()
-    assert lines[0].split() == ["config", "G", "K", "B", "RSS", "before", "peak", "RSS", "added", "activations",
-                                "vs", "row", "1", "(MB)"]
-    # added = peak - before: 300.2 and 150; activations = added - the floor's: 200.0 and 100,
-    # so the second row's are 100 / 200 = 0.50 of the first's.
-    assert [line.split() for line in lines[1:]] == [
+    assert lines[0].split() == ["config", "G", "K", "B", "host", "RSS", "before", "host", "peak", "added",
+                                "activations", "vs", "row", "1", "(MB)"]
+    # added = peak - before: 300.2 and 150; the second row's activations are 100 / 200.2 = 0.50 of the first's.
+    assert [line.split() for line in lines[1:3]] == [
         ["tower_pscpu_k1_b32", "64", "1", "32", "512", "813", "300", "200", "1.00"],
         ["tower_pscpu_k2_b16", "64", "2", "16", "510", "660", "150", "100", "0.50",
          "GPU:0", "peak", "1234", "MB", "GPU:1", "peak", "100", "MB"]]
+    assert lines[3].startswith("activations: the busiest GPU's peak")
 
 
 def test_the_memory_report_has_no_ratio_when_the_first_row_adds_no_activations():
     # The first row is a floor itself: its updates add exactly its floor's 80 MB.
-    results = [memory_result("tower_pscpu_k1_b1", 2, 1, 1, 500.0, 580.0, 80.0),
-               memory_result("tower_pscpu_k1_b4", 8, 1, 4, 500.0, 700.0, 80.0)]
-    rows = [line.split() for line in format_memory_report(results).splitlines()[1:]]
-    assert [row[7:] for row in rows] == [["0", "-"], ["120", "-"]]
+    results = [memory_result("tower_pscpu_k1_b1", 2, 1, 1, 500.0, 580.0, 80.0, 0.0),
+               memory_result("tower_pscpu_k1_b4", 8, 1, 4, 500.0, 700.0, 80.0, 120.0)]
+    lines = format_memory_report(results).splitlines()
+    assert [row.split()[7:] for row in lines[1:3]] == [["0", "-"], ["120", "-"]]
+    assert lines[3].startswith("activations: the host's peak RSS")
+
+
+def gpu_memory(peak: dict, before: dict) -> dict:
+    return {"gpu_peak_mb": peak, "gpu_before_mb": before}
+
+
+def test_on_gpus_the_activations_are_the_busiest_gpus_peak_above_its_floors_not_the_hosts_rss(monkeypatch):
+    """measure_memory's figures from its subprocesses' JSON lines (faked here): with GPUs, a
+    configuration's activations are, per GPU, (peak - before) less its floor's, the largest of
+    them; the host's RSS, which fell here, does not enter."""
+    from tower_train.benchmark import memory
+
+    lines = {
+        "tower_pscpu_k1_b1": {"rss_before_mb": 900.0, "peak_rss_mb": 905.0,
+                              **gpu_memory({"GPU:0": 50.0, "GPU:1": 52.0}, {"GPU:0": 40.0, "GPU:1": 40.0})},
+        "tower_pscpu_k1_b32": {"rss_before_mb": 910.0, "peak_rss_mb": 900.0,
+                               **gpu_memory({"GPU:0": 121.0, "GPU:1": 101.0}, {"GPU:0": 40.0, "GPU:1": 41.0})},
+    }
+
+    class Child:
+        def __init__(self, argv, **kwargs):
+            name = next(a for a in argv if a.startswith("--configs=")).split("=")[1]
+            self.returncode, self.stderr = 0, ""
+            self.stdout = json.dumps({"config": name, **lines[name]}) + "\n"
+
+    monkeypatch.setattr(memory.subprocess, "run", Child)
+    [result] = memory.measure_memory([parse_config_name("tower_pscpu_k1_b32", 32)], ["benchmark"])
+    # GPU:0: (121 - 40) - (50 - 40) = 71; GPU:1: (101 - 41) - (52 - 40) = 48.
+    assert result["activations_mb"] == 71.0
+    assert result["floor_added_mb"] == 5.0
 
 
 def test_link_speeds_are_positive_numbers_or_refused_in_one_line():

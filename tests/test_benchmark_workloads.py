@@ -84,6 +84,19 @@ def test_one_device_kinds_count_no_traffic_or_state(built, kind):
     assert workload.traffic is None and workload.state_bytes is None
 
 
+@pytest.mark.parametrize("name, devices", [
+    ("plain_k1", ["/cpu:1"]), ("keras_fit_k2", ["/cpu:1"]), ("tower_pscpu_k2", ["/cpu:1", "/cpu:2"]),
+    ("tower_psspread_k1", ["/cpu:1", "/cpu:2"]), ("mirrored_k1", ["/cpu:1", "/cpu:2"])])
+def test_each_kind_computes_where_its_name_says_and_the_baselines_on_the_first_towers_device(built, name, devices):
+    """Read from the traced graphs: the baselines build and run on the towers' first device (a GPU
+    on a GPU machine, /cpu:1 here), never on the host /cpu:0 that holds tower mode's variables."""
+    workload, state = built(name)
+    if name.startswith(("plain", "keras_fit")):
+        assert {v.value.device for v in state.model.trainable_variables} == {"/job:localhost/replica:0/task:0/device:CPU:1"}
+    workload.run(1)
+    assert workload.compute_devices() == devices
+
+
 def test_a_tower_kind_counts_its_bytes_per_update_and_the_state_each_device_holds(built):
     workload, state = built(f"tower_pscpu_k2_b{BATCH}")
     p = 4 * CNN_WEIGHTS  # bytes

@@ -68,13 +68,14 @@ def prepare_devices(config: TrainConfig, announce: bool = False):
     from absl import logging
 
     from tower_train import devices, modes
+    from tower_train.numerics import tf32_note
 
     machine_plan = devices.plan_for_this_machine(config.num_gpus, config.ps_device, config.gpu_memory_mb)
     plan = modes.fit_plan_to_mode(config.mode, machine_plan)
     modes.resolve_all_reduce(config.mode, config.all_reduce, plan)
     devices.apply_device_plan(plan)
     if announce:
-        logging.info("%s", plan.message)
+        logging.info("%s%s", plan.message, tf32_note(plan.tower_devices, config.tf32))
     return plan
 
 

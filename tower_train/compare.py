@@ -88,15 +88,18 @@ def check_modes(names: list[str]) -> list[str]:
 
 def compare_modes(config: TrainConfig, plan: DevicePlan, modes: list[str]) -> dict[str, ModeRun]:
     """Trains every mode for config.max_steps updates, alternating, from the same start."""
-    import tensorflow as tf
+    from tower_train.numerics import run_numerics
 
+    with run_numerics(config.deterministic, config.tf32):
+        return _compare_modes(config, plan, modes)
+
+
+def _compare_modes(config: TrainConfig, plan: DevicePlan, modes: list[str]) -> dict[str, ModeRun]:
     from tower_train import datasets
     from tower_train.model_spec import resolve_model
     from tower_train.modes import build_mode
     from tower_train.run import Run
 
-    if config.deterministic:
-        tf.config.experimental.enable_op_determinism()
     source = datasets.load_source(config.dataset, config.data_dir, config.augment)
     spec = resolve_model(None, config, None, source.num_classes)
     runs, streams = {}, {}

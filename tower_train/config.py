@@ -203,10 +203,16 @@ class TrainConfig:
         "fp32", f"{' | '.join(PRECISIONS)}: the dtype tower mode's gradient sums cross devices in "
         "(reduction and update stay float32); fp16 only with --precision=fp16, whose loss scale "
         "keeps them in range. Default fp32: exact; bf16 halves the gradient bytes and rounds them.")
-    # XLA is not faster on every model and needs towers that hold their variables.
+    # XLA is not faster on every model, and a first trace takes longer.
     jit_compile: bool = option(
-        False, "Compile each tower's forward and backward pass with XLA (towers must hold their "
-        "variables: mirrored, or one tower on the parameter device).")
+        False, "Compile each tower's forward and backward pass with XLA, over the values of the "
+        "weights it is handed (tower mode) or its replica's variables (mirrored, multi_worker); "
+        "not with central_storage, whose replicas read the parameter device's variables.")
+    # TensorFlow's own default: Ampere and later GPUs compute float32 matmuls several times faster.
+    tf32: bool = option(
+        True, "TensorFloat-32 on GPUs: float32 matmuls and convolutions round their inputs to 10 "
+        "bits of mantissa (TensorFlow's default); --notf32 computes them in full float32, so an "
+        "update matches the CPU's to float32 rounding. No effect on a CPU.")
     # Saves activation memory but costs ~25% more time per update (resnet20).
     recompute: bool = option(
         False, "Gradient checkpointing: keep only the model's block outputs and recompute each "

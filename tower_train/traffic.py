@@ -56,6 +56,8 @@ ROLES = ("weights", "gradients", "statistics", "held")
 _CALLS = {"If", "StatelessIf", "While", "StatelessWhile", "Case", "StatelessCase", "PartitionedCall",
           "StatefulPartitionedCall"}
 _WRITES_PREFIXES = ("Assign", "ResourceApply", "ResourceSparseApply", "ResourceScatter")
+# The ops that do an update's arithmetic, their gradients included: where they run, it computes.
+_COMPUTE_PREFIXES = ("Conv", "DepthwiseConv", "MatMul", "BatchMatMul", "_FusedConv", "_FusedMatMul", "Einsum")
 _NOT_DATA = (tf.resource, tf.variant)
 
 
@@ -115,6 +117,33 @@ def _components(variable) -> tuple[tf.Variable, ...]:
         variable = variable.value
     components = getattr(variable, "values", None)  # a DistributedVariable's per-replica variables
     return components if isinstance(components, tuple) else (variable,)
+
+
+def compute_devices(functions: Iterable[object], default_device: str) -> list[str]:
+    """Where an update computes: the devices of the convolutions and matmuls (and their
+    gradients) in the graphs of `functions` (concrete functions), sorted, as '/gpu:0'. An op inside
+    a called function (a tf.cond's branch, an XLA-compiled tower) runs on the call's device
+    unless it names its own; an op that names none runs on `default_device`, where TensorFlow's
+    placer puts it when the caller names none."""
+    library, found, walked = {}, set(), set()
+
+    def walk(nodes, device: str) -> None:
+        for node in nodes:
+            here = node.device or device
+            if node.op.startswith(_COMPUTE_PREFIXES):
+                spec = tf.DeviceSpec.from_string(here)
+                found.add((spec.device_type.lower(), spec.device_index or 0))
+            for attr in node.attr.values():
+                for called in [attr.func] if attr.HasField("func") else attr.list.func:
+                    if called.name in library and (called.name, here) not in walked:
+                        walked.add((called.name, here))
+                        walk(library[called.name].node_def, here)
+
+    for function in functions:
+        graph_def = function.graph.as_graph_def()
+        library.update({f.signature.name: f for f in graph_def.library.function})
+        walk(graph_def.node, default_device)
+    return [f"/{kind}:{index}" for kind, index in sorted(found)]
 
 
 def variable_handles(variable) -> list[tf.Tensor]:

@@ -32,6 +32,7 @@ from tower_train.export import export_saved_model
 from tower_train.inner_step import Batch, Decision, InnerStep, UpdateResult
 from tower_train.model_spec import ModelSpec, users_network
 from tower_train.modes import Mode
+from tower_train.numerics import run_numerics, tf32_note
 from tower_train.progress import Progress, Summaries, new_history
 from tower_train.run import Run, TrainState
 from tower_train.stop_signals import StopSignals
@@ -312,26 +313,9 @@ def train(config: TrainConfig, spec: ModelSpec, source: Source, mode: Mode,
     (a terminal) instead of log lines. `callbacks`: the user's Keras callbacks (callbacks.py).
     `metrics`: Keras metrics computed at every held-out evaluation (evaluation.py).
     """
-    with _op_determinism(config.deterministic):
+    with run_numerics(config.deterministic, config.tf32):
         return _train(config, spec, source, mode, watchdog, stop, live_progress, callbacks,
                       metrics)
-
-
-@contextlib.contextmanager
-def _op_determinism(wanted: bool) -> Iterator[None]:
-    """TensorFlow's op determinism, on for the run when `wanted`, and as before afterwards: it is
-    global to the process, and a script's next run may want it off (XLA has no deterministic
-    MaxPool gradient, for one)."""
-    from tensorflow.python.framework import config as tf_config  # the public API cannot turn it off
-
-    turned_on = wanted and not tf_config.is_op_determinism_enabled()
-    if turned_on:
-        tf_config.enable_op_determinism()
-    try:
-        yield
-    finally:
-        if turned_on:
-            tf_config.disable_op_determinism()
 
 
 def _train(config: TrainConfig, spec: ModelSpec, source: Source, mode: Mode, watchdog: PeerClock,
@@ -348,7 +332,7 @@ def _train(config: TrainConfig, spec: ModelSpec, source: Source, mode: Mode, wat
         run = Run.create(spec, source, mode)
         state = run.state
         check_metrics_against(metrics, state.model, source)
-        log("%s", plan.message)
+        log("%s%s", plan.message, tf32_note(plan.tower_devices, config.tf32))
         checkpoint = state.checkpoint()
         writer = checkpoints.CheckpointWriter(checkpoint, config.train_dir, record, worker.is_chief,
                                               worker.index)

@@ -60,6 +60,7 @@ from tower_train.benchmark.timing import format_report, run_benchmark
 from tower_train.benchmark.traffic_report import format_traffic_report, measure_traffic
 from tower_train.cli import command, load_tensorflow, parse_config
 from tower_train.errors import UsageError
+from tower_train.numerics import run_numerics
 
 
 def _link_speeds(values: list[str]) -> list[float]:
@@ -101,22 +102,23 @@ def _benchmark(argv: list[str]) -> int:
     load_tensorflow()
     check_data(config, None)
     plan = prepare_devices(config, announce=True)
-    if measure == "memory":
-        results = measure_memory(benches, argv)
-        report = format_memory_report(results)
-    elif measure == "traffic":
-        results = measure_traffic(config, benches, plan)
-        report = format_traffic_report(results, link_gbps)
-    elif measure == "ops":
-        results = measure_ops(config, benches, plan, options["updates"].value,
-                              options["warmup_updates"].value)
-        report = format_ops_report(results)
-    else:
-        measurements = run_benchmark(config, benches, plan, options["updates"].value,
-                                     options["warmup_updates"].value, options["rounds"].value,
-                                     options["slow_tower_ms"].value)
-        results = [dataclasses.asdict(m) for m in measurements]
-        report = format_report(measurements, len(plan.tower_devices), config.batch_size)
+    with run_numerics(config.deterministic, config.tf32):
+        if measure == "memory":
+            results = measure_memory(benches, argv)
+            report = format_memory_report(results)
+        elif measure == "traffic":
+            results = measure_traffic(config, benches, plan)
+            report = format_traffic_report(results, link_gbps)
+        elif measure == "ops":
+            results = measure_ops(config, benches, plan, options["updates"].value,
+                                  options["warmup_updates"].value)
+            report = format_ops_report(results)
+        else:
+            measurements = run_benchmark(config, benches, plan, options["updates"].value,
+                                         options["warmup_updates"].value, options["rounds"].value,
+                                         options["slow_tower_ms"].value)
+            results = [dataclasses.asdict(m) for m in measurements]
+            report = format_report(measurements, len(plan.tower_devices), config.batch_size)
     print(report)
     if options["output_json"].value:
         import tensorflow as tf

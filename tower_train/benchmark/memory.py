@@ -36,6 +36,7 @@ def _peak_memory(argv: list[str]) -> int:
     workload = build_workload(bench, config, plan)
     gpus = _gpu_names(plan)
     rss_before = _status_mb("VmRSS")
+    gpu_before = {d: tf.config.experimental.get_memory_info(d)["current"] / 2**20 for d in gpus}
     _reset_peak_rss()
     for device in gpus:
         tf.config.experimental.reset_memory_stats(device)
@@ -43,7 +44,9 @@ def _peak_memory(argv: list[str]) -> int:
     print(json.dumps({
         "config": bench.name, "global_batch": workload.global_batch, "accum": bench.accum,
         "batch_per_tower": bench.batch_size, "rss_before_mb": rss_before, "peak_rss_mb": _status_mb("VmHWM"),
-        "gpu_peak_mb": {d: tf.config.experimental.get_memory_info(d)["peak"] / 2**20 for d in gpus}}))
+        "gpu_before_mb": gpu_before,
+        "gpu_peak_mb": {d: tf.config.experimental.get_memory_info(d)["peak"] / 2**20 for d in gpus},
+        "compute_devices": workload.compute_devices()}))
     return 0
 
 
@@ -70,23 +73,34 @@ def measure_memory(benches: list[BenchConfig], argv: list[str]) -> list[dict]:
     results = []
     for bench in benches:
         floor = measured[floor_config(bench)]
-        results.append({**measured[bench.name],
-                        "floor_added_mb": floor["peak_rss_mb"] - floor["rss_before_mb"]})
+        result = {**measured[bench.name], "floor_added_mb": floor["peak_rss_mb"] - floor["rss_before_mb"]}
+        if result["gpu_peak_mb"]:  # the devices' own peaks hold the activations; the host's RSS does not
+            result["activations_mb"] = max(
+                (result["gpu_peak_mb"][d] - result["gpu_before_mb"][d])
+                - (floor["gpu_peak_mb"][d] - floor["gpu_before_mb"][d]) for d in result["gpu_peak_mb"])
+        else:
+            result["activations_mb"] = result["peak_rss_mb"] - result["rss_before_mb"] - result["floor_added_mb"]
+        results.append(result)
     return results
 
 
 def format_memory_report(results: list[dict]) -> str:
-    """A row per configuration. 'activations' is what its updates add above its floor's
-    (`floor_config`); the last column compares it with the first row's."""
-    lines = [f"{'config':<24} {'G':>6} {'K':>3} {'B':>5} {'RSS before':>11} {'peak RSS':>9} "
+    """A row per configuration: the host's memory, then 'activations', what its updates add
+    above its floor's (`floor_config`): on GPUs, from the busiest GPU's peak, else from the
+    host's RSS; the last column compares it with the first row's."""
+    lines = [f"{'config':<24} {'G':>6} {'K':>3} {'B':>5} {'host RSS before':>15} {'host peak':>9} "
              f"{'added':>6} {'activations':>12} {'vs row 1':>9}   (MB)"]
-    activations = [r["peak_rss_mb"] - r["rss_before_mb"] - r["floor_added_mb"] for r in results]
-    for r, act in zip(results, activations):
+    first = results[0]["activations_mb"]
+    for r in results:
+        act = r["activations_mb"]
         gpu = "".join(f"  {d} peak {mb:.0f} MB" for d, mb in r["gpu_peak_mb"].items())
-        ratio = f"{act / activations[0]:>9.2f}" if activations[0] > 0 else f"{'-':>9}"
+        ratio = f"{act / first:>9.2f}" if first > 0 else f"{'-':>9}"
         lines.append(f"{r['config']:<24} {r['global_batch']:>6} {r['accum']:>3} {r['batch_per_tower']:>5} "
-                     f"{r['rss_before_mb']:>11.0f} {r['peak_rss_mb']:>9.0f} "
+                     f"{r['rss_before_mb']:>15.0f} {r['peak_rss_mb']:>9.0f} "
                      f"{r['peak_rss_mb'] - r['rss_before_mb']:>6.0f} {act:>12.0f} {ratio}{gpu}")
+    on_gpus = any(r["gpu_peak_mb"] for r in results)
+    lines.append("activations: the busiest GPU's peak above its memory before the updates, less its floor's"
+                 if on_gpus else "activations: the host's peak RSS above its RSS before the updates, less its floor's")
     return "\n".join(lines)
 
 

@@ -47,7 +47,8 @@ def measure_ops(config: TrainConfig, benches: list[BenchConfig], plan: DevicePla
             micros[op_type] = micros.get(op_type, 0.0) + float(row["c"][self_time]["v"])
         examples = workload.global_batch * updates
         results.append({"config": bench.name, "wall_us_per_example": seconds * 1e6 / examples,
-                        "op_us_per_example": {k: v / examples for k, v in micros.items()}})
+                        "op_us_per_example": {k: v / examples for k, v in micros.items()},
+                        "compute_devices": workload.compute_devices()})
     return results
 
 

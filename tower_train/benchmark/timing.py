@@ -26,6 +26,7 @@ class Measurement:
     input_examples_per_sec: float | None  # the input pipeline alone; None for a batch in memory
     busiest_device_bytes: float | None  # Traffic.busiest_device_bytes; None on one device
     state_bytes_per_device: dict | None  # Workload.state_bytes(); None on one device
+    compute_devices: list[str]  # Workload.compute_devices(): where its update computes
 
     @property
     def sec_per_example(self) -> float:
@@ -59,7 +60,8 @@ def run_benchmark(config: TrainConfig, benches: list[BenchConfig], plan: DeviceP
                                    statistics.median(seconds[name]), workload.labels_per_example,
                                    traffic and traffic.as_dict(), input_rate,
                                    traffic and traffic.busiest_device_bytes,
-                                   workload.state_bytes and workload.state_bytes()))
+                                   workload.state_bytes and workload.state_bytes(),
+                                   workload.compute_devices()))
     return results
 
 
@@ -70,18 +72,28 @@ def moved_mb(bytes_per_update: dict | None, category: str) -> str:
     return f"{(bytes_per_update['copied'][category] + bytes_per_update['collective'][category]) / 1e6:.2f}"
 
 
+def devices_text(devices: list[str]) -> str:
+    """['/gpu:0', '/gpu:1', '/gpu:2'] -> '/gpu:0..2'; devices of two kinds, or with a gap, in full."""
+    kinds = {d.rsplit(":", 1)[0] for d in devices}
+    numbers = [int(d.rsplit(":", 1)[1]) for d in devices]
+    if len(devices) > 1 and len(kinds) == 1 and numbers == list(range(numbers[0], numbers[0] + len(numbers))):
+        return f"{devices[0]}..{numbers[-1]}"
+    return ",".join(devices) or "-"
+
+
 def format_report(results: list[Measurement], towers: int, batch_size: int) -> str:
     per_token = any(m.labels_per_example > 1 for m in results)
     lines = [f"{'config':<24} {'G':>6} {'examples/sec':>22} {'sec/update':>11} "
              f"{'weights MB':>10} {'grads MB':>9} {'stats MB':>9}"
-             + (f" {'tokens/sec':>11}" if per_token else "")]
+             + (f" {'tokens/sec':>11}" if per_token else "") + "  computes on"]
     for m in results:
         moved = m.bytes_per_update
         lines.append(f"{m.config:<24} {m.global_batch:>6} "
                      f"{m.examples_per_sec:>12.1f} +/- {m.jitter:<7.1f} {m.sec_per_update:>11.4f} "
                      f"{moved_mb(moved, 'weights'):>10} {moved_mb(moved, 'gradients'):>9} "
                      f"{moved_mb(moved, 'statistics'):>9}"
-                     + (f" {m.labels_per_sec:>11.0f}" if per_token else ""))
+                     + (f" {m.labels_per_sec:>11.0f}" if per_token else "")
+                     + f"  {devices_text(m.compute_devices)}")
     by_name = {m.config: m for m in results}
     for a, b, note in comparisons(list(by_name), batch_size):
         ratio = by_name[a].sec_per_example / by_name[b].sec_per_example
@@ -94,5 +106,5 @@ def format_report(results: list[Measurement], towers: int, batch_size: int) -> s
     lines.append(f"{towers} tower(s), {batch_size} examples per tower per micro-step unless _bB says"
                  + ("; tokens/sec counts every label position, padding included" if per_token else ""))
     lines.append("MB: bytes per update across devices (10^6), counted from the traced graphs; "
-                 "'-': one device")
+                 "'-': one device. computes on: the devices of its convolutions and matmuls, from the same graphs")
     return "\n".join(lines)

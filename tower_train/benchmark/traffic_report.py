@@ -21,7 +21,8 @@ def measure_traffic(config: TrainConfig, benches: list[BenchConfig], plan: Devic
         results.append({"config": bench.name, "global_batch": workload.global_batch,
                         "bytes_per_update": traffic and traffic.as_dict(),
                         "busiest_device_bytes": traffic and traffic.busiest_device_bytes,
-                        "state_bytes_per_device": workload.state_bytes and workload.state_bytes()})
+                        "state_bytes_per_device": workload.state_bytes and workload.state_bytes(),
+                        "compute_devices": workload.compute_devices()})
     return results
 
 

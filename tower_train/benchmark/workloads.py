@@ -25,7 +25,8 @@ class Workload:
     for the kinds that run on one device; `state_bytes()` the bytes of variables, optimizer slots,
     moving averages and accumulators each device holds, None for them too. `read_input(n)` reads
     n updates' batches from the same training stream and nothing else, returning the seconds;
-    None for a batch held in memory."""
+    None for a batch held in memory. `compute_devices()`: the devices its update computes on, read
+    from the traced graphs (`traffic.compute_devices`)."""
 
     run: Callable[[int], float]
     global_batch: int
@@ -33,6 +34,7 @@ class Workload:
     traffic: Callable[[], Traffic] | None
     state_bytes: Callable[[], dict[str, int]] | None
     read_input: Callable[[int], float] | None
+    compute_devices: Callable[[], list[str]]
 
 
 def build_workload(bench: BenchConfig, config: TrainConfig, plan: DevicePlan,
@@ -43,10 +45,11 @@ def build_workload(bench: BenchConfig, config: TrainConfig, plan: DevicePlan,
     import tensorflow as tf
 
     from tower_train import datasets
-    from tower_train.devices import parameter_device
+    from tower_train.devices import HOST_DEVICE, parameter_device
     from tower_train.model_spec import resolve_model
     from tower_train.modes import build_mode
     from tower_train.run import Run, TrainState
+    from tower_train.traffic import compute_devices
 
     config = dataclasses.replace(config, batch_size=bench.batch_size, accum=bench.accum,
                                  tower_split=bench.tower_split)
@@ -80,20 +83,28 @@ def build_workload(bench: BenchConfig, config: TrainConfig, plan: DevicePlan,
                                  source.label_spec.dtype)
             weights = tf.ones(labels.shape, tf.float32)
         dataset = tf.data.Dataset.from_tensors((features, labels, weights)).repeat()
+    batch_spec = tuple(tf.TensorSpec([micro, *s.shape[1:]], s.dtype) for s in dataset.element_spec)
     if bench.kind in MODE_KINDS:
         training = Run.create(spec, source, build_mode(config, plan))
         state, inner = training.state, training.inner
         if slow_tower_ms > 0 and config.mode_rules.places_towers:
             slow_first_tower(state.model, slow_tower_ms)
         run = _updates(inner, dataset)
+        # What no op places runs where TensorFlow's placer puts it: GPU 0 when there is one.
+        default_device = "/gpu:0" if tf.config.list_logical_devices("GPU") else HOST_DEVICE
+
+        def traced() -> list:
+            return [function for function, _ in inner.traced_update(batch_spec)]
     else:
-        state = TrainState.create(config, spec, source, tf.device(plan.param_device))
-        run, inner = {"plain": _plain, "keras_fit": _keras_fit}[bench.kind](
-            config, plan, dataset, state, source.train_size)
-    batch_spec = tuple(tf.TensorSpec([micro, *s.shape[1:]], s.dtype) for s in dataset.element_spec)
+        # On the towers' first device, so that a baseline runs on the same kind of device as
+        # the towers: a GPU on a GPU machine, one logical CPU device (not the host) on a CPU one.
+        default_device = plan.tower_devices[0]
+        state = TrainState.create(config, spec, source, tf.device(default_device))
+        run, traced = {"plain": _plain, "keras_fit": _keras_fit}[bench.kind](
+            config, default_device, dataset, batch_spec, state, source.train_size)
+        inner = None
 
     def traffic() -> Traffic:
-        from tower_train.devices import HOST_DEVICE
         from tower_train.traffic import count_traffic
 
         # The batches come from the host (a tf.data pipeline, or a batch held there).
@@ -111,7 +122,8 @@ def build_workload(bench: BenchConfig, config: TrainConfig, plan: DevicePlan,
 
     return Workload(run, micro * bench.accum, source.label_spec.shape.num_elements(),
                     None if inner is None else traffic, None if inner is None else state_bytes,
-                    None if bench.input == "memory" else _input_reader(dataset, bench.accum))
+                    None if bench.input == "memory" else _input_reader(dataset, bench.accum),
+                    lambda: compute_devices(traced(), default_device))
 
 
 def _input_reader(dataset, accum: int) -> Callable[[int], float]:
@@ -219,10 +231,10 @@ def _updates(inner, dataset) -> Callable[[int], float]:
     return run
 
 
-def _plain(config: TrainConfig, plan: DevicePlan, dataset, state: TrainState,
-           train_examples: int | None) -> tuple[Callable[[int], float], None]:
-    """One GradientTape step on the parameter device over all G examples, with the same
-    update-boundary work (regularization, clip, apply, count, average) as the towers'."""
+def _plain(config: TrainConfig, device: str, dataset, batch_spec: tuple, state: TrainState,
+           train_examples: int | None) -> tuple[Callable[[int], float], Callable[[], list]]:
+    """One GradientTape step on `device` over all G examples, with the same update-boundary work
+    (regularization, clip, apply, count, average) as the towers'; and its traced function."""
     import tensorflow as tf
 
     from tower_train.towers import regularization_gradients, tower_loss_and_gradients
@@ -233,7 +245,7 @@ def _plain(config: TrainConfig, plan: DevicePlan, dataset, state: TrainState,
 
     @tf.function(jit_compile=config.jit_compile)
     def plain_step(features: tf.Tensor, labels: tf.Tensor, weights: tf.Tensor) -> tf.Tensor:
-        with tf.device(plan.param_device):
+        with tf.device(device):
             result = tower_loss_and_gradients(state.model, features, labels, weights)
             regularization, regularization_grads = regularization_gradients(state.model)
             # The tower's gradient is of sum(w * loss) / (labels): rescaled to / sum(w). One shard
@@ -251,13 +263,18 @@ def _plain(config: TrainConfig, plan: DevicePlan, dataset, state: TrainState,
             float(plain_step(*next(whole_batches)))
         return time.perf_counter() - start
 
-    return run, None
+    def traced() -> list:
+        return [plain_step.get_concrete_function(*(
+            tf.TensorSpec([s.shape[0] * config.accum, *s.shape[1:]], s.dtype) for s in batch_spec))]
+
+    return run, traced
 
 
-def _keras_fit(config: TrainConfig, plan: DevicePlan, dataset, state: TrainState,
-               train_examples: int | None) -> tuple[Callable[[int], float], None]:
+def _keras_fit(config: TrainConfig, device: str, dataset, batch_spec: tuple, state: TrainState,
+               train_examples: int | None) -> tuple[Callable[[int], float], Callable[[], list]]:
     """What a user would pick instead: Keras's own train step and gradient accumulation, on
-    the same network, loss, optimizer and schedule, fed the micro-batch of all towers."""
+    the same network, loss, optimizer and schedule, fed the micro-batch of all towers, on
+    `device`; and its train step traced as fit traces it."""
     import keras
     import tensorflow as tf
 
@@ -305,9 +322,15 @@ def _keras_fit(config: TrainConfig, plan: DevicePlan, dataset, state: TrainState
     clock = BatchClock()
 
     def run(updates: int) -> float:
-        with tf.device(plan.param_device):
+        with tf.device(device):
             model.fit(dataset, epochs=1, steps_per_epoch=updates * config.accum, verbose=0, shuffle=False,
                       callbacks=[clock])
         return clock.seconds
 
-    return run, None
+    def traced() -> list:
+        # fit's own function is out of reach; its step, traced the same way (called under `device`,
+        # which no op of it names: compute_devices puts them there).
+        features, labels, weights = batch_spec
+        return [tf.function(model.train_step).get_concrete_function((features, labels, weights))]
+
+    return run, traced
