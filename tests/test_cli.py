@@ -93,3 +93,22 @@ def test_an_error_in_user_code_is_one_line_and_its_traceback_only_when_asked(cap
     err = capsys.readouterr().err.splitlines()
     assert err[0] == "tower_train: error: my_model.py:3: KeyError: 'missing_key'"
     assert err[1] == "Traceback (most recent call last):" and err[-1] == "KeyError: 'missing_key'"
+
+
+def test_the_log_keeps_tensorflows_errors_and_drops_its_info_and_warnings():
+    """TensorFlow's Python warnings are about its internals (the benchmark's tf.function retracing
+    warning, once per configuration after the fifth): none reaches the product's output, its
+    errors do, and so does every line of the product's own."""
+    import logging
+    import os
+
+    def record(level: int, path: str) -> logging.LogRecord:
+        return logging.LogRecord("x", level, path, 1, "message", None, None)
+
+    tensorflow_file = os.path.join("site-packages", "tensorflow", "python", "eager", "polymorphic_function.py")
+    assert not cli._no_tensorflow_info(record(logging.INFO, tensorflow_file))
+    assert not cli._no_tensorflow_info(record(logging.WARNING, tensorflow_file))
+    assert cli._no_tensorflow_info(record(logging.ERROR, tensorflow_file))
+    product_file = os.path.join("tower_train", "trainer.py")
+    assert cli._no_tensorflow_info(record(logging.INFO, product_file))
+    assert cli._no_tensorflow_info(record(logging.WARNING, product_file))

@@ -113,6 +113,26 @@ def test_evaluate_counts_every_example_once_over_three_towers(batch_size):
     np.testing.assert_array_equal(model.seen.numpy(), np.ones(10))  # each example once, none lost
 
 
+def test_a_models_later_evaluations_reuse_its_traced_pass(monkeypatch):
+    """Tracing the pass (and, on a GPU, its first convolutions) takes seconds: only a model's first
+    evaluation on a set of devices pays it, whatever the number of evaluations."""
+    from tower_train import evaluation as evaluation_module
+
+    traced = []
+    shard_pass_of = evaluation_module.shard_pass
+    monkeypatch.setattr(evaluation_module, "shard_pass",
+                        lambda *args: traced.append(args) or shard_pass_of(*args))
+    images = small_source()
+    source = image_data.image_source("small", images[:1], np.zeros(1, np.int32), images, np.zeros(10, np.int32))
+    model, other = SpyModel(len(images)), SpyModel(len(images))
+    first = evaluate(model, source, 5, TOWERS)
+    assert evaluate(model, source, 5, TOWERS) == first
+    evaluate(model, source, 5, TOWERS[:2])
+    evaluate(other, source, 5, TOWERS)
+    assert [(m is model, devices) for m, devices, _ in traced] == [
+        (True, TOWERS), (True, TOWERS[:2]), (False, TOWERS)]
+
+
 def test_shards_are_contiguous_cover_the_batch_and_differ_by_at_most_one():
     for batch in range(0, 25):
         for towers in range(1, 6):

@@ -28,6 +28,7 @@ batch size and the number of towers N:
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import Callable, Sequence
 
 import keras
@@ -190,6 +191,18 @@ def shard_pass(model, devices: Sequence[str], keep_outputs: bool = False) -> Cal
     return run_shards
 
 
+# Per model: its shard passes by (devices, keep_outputs), so that a run's evaluations after its
+# first reuse the traced pass (tracing and a GPU's first convolutions take seconds).
+_PASSES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _traced_pass(model, devices: tuple[str, ...], keep_outputs: bool) -> Callable:
+    passes = _PASSES.setdefault(model, {})
+    if (devices, keep_outputs) not in passes:
+        passes[devices, keep_outputs] = shard_pass(model, devices, keep_outputs)
+    return passes[devices, keep_outputs]
+
+
 def _run_on(model, features: tf.Tensor, labels: tf.Tensor, weights: tf.Tensor,
             device: str) -> tuple[tf.Tensor, tf.Tensor]:
     with tf.device(device):  # again inside the branch: its ops live in their own function graph
@@ -213,7 +226,7 @@ def evaluate(model, source: Source, batch_size: int, devices: Sequence[str],
     tower `devices`, one shard each; see the module docstring. Raises TrainingError, one line,
     when the held-out data fails to be read (a corrupted or deleted file, a label out of range).
     """
-    run_shards = shard_pass(model, devices, keep_outputs=bool(metrics))
+    run_shards = _traced_pass(model, tuple(devices), bool(metrics))
     for metric in metrics:
         metric.reset_state()
     totals = np.zeros(4)  # float64: correct weight, weight, weighted loss, batch losses
