@@ -45,6 +45,10 @@ def pytest_report_header(config):
 
 def pytest_collection_modifyitems(config, items):
     if not PHYSICAL_GPUS:
+        no_gpu = pytest.mark.skip(reason="needs a GPU (tests/test_gpu.py; ../shared/gpu/README.md)")
+        for item in items:
+            if item.get_closest_marker("gpu") is not None:
+                item.add_marker(no_gpu)
         return
     skip = pytest.mark.skip(reason=(
         f"this machine has {len(PHYSICAL_GPUS)} GPU(s): the command this test runs would put its "
