@@ -51,33 +51,51 @@ def xla() -> dict:
 
 
 def tf32() -> dict:
-    """cifar10_cnn's gradient of one batch of 64 on /gpu:0 against the same on /cpu:0, from the same
-    weights, with TF32 on and off."""
+    """The gradient of one batch of 64 on /gpu:0 against the same on /cpu:0, from the same weights,
+    with TF32 on and off (and off under op determinism, whose cuDNN algorithms differ): for
+    cifar10_cnn (convolutions, LRN, matmuls) and for a dense network (matmuls alone)."""
+    import keras
     import tensorflow as tf
 
     from tower_train import datasets
     from tower_train.config import TrainConfig
     from tower_train.model_spec import build_model, resolve_model
+    from tower_train.models import TowerModel
     from tower_train.numerics import run_numerics
     from tower_train.towers import tower_loss_and_gradients
 
+    class Dense(TowerModel):
+        def __init__(self, num_classes: int, **kwargs):
+            super().__init__(num_classes, **kwargs)
+            self.flatten = keras.layers.Flatten()
+            self.hidden = keras.layers.Dense(256, activation="relu")
+            self.logits = keras.layers.Dense(num_classes)
+
+        def call(self, features, training=False):
+            return self.logits(self.hidden(self.flatten(features)))
+
     config = TrainConfig(train_dir="/unused")
     source = datasets.load_source(config.dataset, None, config.augment)
-    spec = resolve_model(None, config, None, source.num_classes)
     with tf.device("/cpu:0"):
-        model = build_model(spec, source, config)
         features, labels, weights = next(iter(source.train_stream(seed=0, start_position=0, micro_batch=64)))
-        values = [tf.convert_to_tensor(v) for v in model.trainable_variables]
+        cnn = build_model(resolve_model(None, config, None, source.num_classes), source, config)
+        dense = Dense(source.num_classes)
+        dense(features[:1])
 
-    def gradient(device: str, tf32_on: bool) -> list:
-        with run_numerics(deterministic=False, tf32=tf32_on), tf.device(device):
+    def gradient(model, device: str, tf32_on: bool, deterministic: bool = False) -> list:
+        values = [tf.convert_to_tensor(v) for v in model.trainable_variables]
+        with run_numerics(deterministic=deterministic, tf32=tf32_on), tf.device(device):
             copies = [tf.identity(v) for v in values]
             result = tower_loss_and_gradients(model, tf.identity(features), labels, weights, weight_copies=copies)
             return [g.numpy() for g in result.gradients]
 
-    cpu = gradient("/cpu:0", False)
-    return {"tf32_on": relative_error(gradient("/gpu:0", True), cpu),
-            "tf32_off": relative_error(gradient("/gpu:0", False), cpu)}
+    figures = {}
+    for name, model in (("cnn", cnn), ("dense", dense)):
+        cpu = gradient(model, "/cpu:0", False)
+        figures[name] = {"tf32_on": relative_error(gradient(model, "/gpu:0", True), cpu),
+                         "tf32_off": relative_error(gradient(model, "/gpu:0", False), cpu),
+                         "tf32_off_deterministic": relative_error(gradient(model, "/gpu:0", False, True), cpu)}
+    return figures
 
 
 if __name__ == "__main__":

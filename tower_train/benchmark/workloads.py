@@ -132,12 +132,15 @@ def _input_reader(dataset, accum: int) -> Callable[[int], float]:
     `get_next`, as training's steps take them, not one Python call per micro-batch."""
     import tensorflow as tf
 
+    from tower_train.devices import HOST_DEVICE
+
     batches = None
 
     @tf.function
     def consume(iterator, micro_batches: tf.Tensor) -> None:
-        for _ in tf.range(micro_batches):
-            iterator.get_next()
+        with tf.device(HOST_DEVICE):  # else, on a GPU machine, each batch would be copied to GPU 0
+            for _ in tf.range(micro_batches):
+                iterator.get_next()
 
     def read(updates: int) -> float:
         nonlocal batches
