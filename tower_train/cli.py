@@ -100,9 +100,7 @@ def parse_config(argv: list[str], usage: str, command_flags: Iterable[str] = ())
     logging.use_absl_handler()
     logging.set_verbosity(logging.INFO)
     logging.get_absl_handler().addFilter(_no_tensorflow_info)
-    # TF's C++ info, warnings and errors: what fails reaches the product as an exception, and XLA's
-    # GPU autotuner logs timer errors by the hundred ("Delay kernel timed out").
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TF's C++ info and warnings
     return config
 
 
