@@ -135,6 +135,37 @@ def test_a_subclassed_instance_is_cloned_and_trains_to_the_weights_of_kerass_own
     assert_same_weights(model.get_weights(), expected)
 
 
+class ScaledCrossEntropy(keras.losses.Loss):
+    """A user's Loss subclass: its own call and a constructor argument, no get_config, so that
+    Keras cannot remake it from a config."""
+
+    def __init__(self, scale: float):
+        super().__init__()
+        self.scale = scale
+
+    def call(self, y_true, y_pred):
+        return self.scale * keras.losses.sparse_categorical_crossentropy(y_true, y_pred, from_logits=True)
+
+
+@keras.saving.register_keras_serializable(package="test_keras_models")
+class RegisteredScaledCrossEntropy(ScaledCrossEntropy):
+    pass
+
+
+@pytest.mark.parametrize("loss_class", [ScaledCrossEntropy, RegisteredScaledCrossEntropy])
+def test_a_custom_loss_subclass_is_called_as_written_and_trains_to_the_weights_of_kerass_own_fit(
+        tmp_path, loss_class):
+    keras.utils.set_random_seed(5)
+    initial = sequential().get_weights()
+    expected = keras_fit(sequential, initial, loss_class(2.0))
+    model, loss = with_weights(sequential, initial), loss_class(2.0)
+    result = tower_fit(model, loss, tmp_path, layout=(1, 24, 1))
+    assert result.model is model and loss.reduction == "sum_over_batch_size"
+    assert_same_weights(model.get_weights(), expected)
+    # At scale 1 the weights would end elsewhere: the user's call, with its scale, was used.
+    assert np.abs(expected[0] - keras_fit(sequential, initial, loss_class(1.0))[0]).max() > 1e-2
+
+
 def test_a_keras_instance_resumes_from_the_train_dirs_checkpoint_bit_for_bit(tmp_path):
     keras.utils.set_random_seed(4)
     initial = sequential().get_weights()
