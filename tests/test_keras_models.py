@@ -74,6 +74,37 @@ class Subclassed(keras.Model):
         return self.logits(self.hidden(features))
 
 
+class OwnSteps(Subclassed):
+    """Overrides what Keras's fit and evaluate call: a train_step that updates nothing, its own
+    compute_loss and test_step."""
+
+    def train_step(self, data):
+        return {}
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+        return 0.0
+
+    def test_step(self, data):
+        return {}
+
+
+def test_a_model_overriding_fits_steps_trains_with_one_warning_naming_them_and_what_runs_instead(
+        tmp_path, caplog):
+    keras.utils.set_random_seed(6)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    for model in (Subclassed, OwnSteps):
+        caplog.clear()
+        result = tower_fit(model, loss, tmp_path / model.__name__, max_steps=1)
+        named = [r.getMessage() for r in caplog.records if "never calls" in r.getMessage()]
+        if model is Subclassed:
+            assert named == []
+    assert named == ["model=test_keras_models.OwnSteps: overrides keras.Model's train_step, compute_loss, "
+                     "test_step, which tower-train never calls: its updates and held-out evaluations run "
+                     "the model's call() and loss=SparseCategoricalCrossentropy per label, the update "
+                     "rule of docs/gradient-math.md"]
+    assert result.loss > 0.5  # the loss= cross-entropy of 3 classes, not compute_loss's 0
+
+
 def built_subclassed():
     model = Subclassed()
     model(np.zeros((1, FEATURES), np.float32))
