@@ -69,7 +69,15 @@ def op_error_text(error: BaseException, limit: int = 1000) -> str:
     same root error repeated per device). Only if what is left exceeds `limit` characters is it
     cut, at a space, so that a name in it is kept whole or left out, never cut."""
     parts: list[str] = []
+    in_traceback = False
     for line in (getattr(error, "message", None) or str(error)).splitlines():
+        # A py_function's error carries its Python traceback, whose last line repeats the error.
+        if line.strip() == "Traceback (most recent call last):":
+            in_traceback = True
+            continue
+        if in_traceback and (not line.strip() or line[0].isspace()):
+            continue
+        in_traceback = False
         line = _ROOT_ERROR.sub("", _OP_NOISE.sub("", line).strip())
         if line and not _OP_NOISE_LINE.fullmatch(line) and line not in parts:
             parts.append(line)

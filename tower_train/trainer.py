@@ -86,6 +86,14 @@ class Hook(Protocol):
     def close(self) -> None: ...
 
 
+class _InputFailed(Exception):
+    """An op error raised while the input pipeline made the next micro-batch, not by the update."""
+
+    def __init__(self, error: tf.errors.OpError):
+        super().__init__(error.message)
+        self.error = error
+
+
 class Controller:
     """Runs updates of `inner` until `max_steps`, as orbit's Controller runs its trainer.
 
@@ -135,8 +143,13 @@ class Controller:
                 with self.watchdog.local_work() if tracing else contextlib.nullcontext():
                     result = self.inner.run_update(self._noted(_value(self.state.step) + 1, start))
                 tracing = False
+            except _InputFailed as failed:
+                # A malformed, corrupted or deleted file; the user's map or py_function raising.
+                raise TrainingError(f"update {_value(self.state.step) + 1} failed in the input "
+                                    f"pipeline: {self.describe_error(failed.error)}; the last good "
+                                    f"checkpoint is {self.last_checkpoint or 'none'}") from None
             except RUN_OP_ERRORS as e:
-                # A malformed, corrupted or deleted file, a label out of range, a model's assertion.
+                # A label out of range, a model's assertion.
                 raise TrainingError(f"update {_value(self.state.step) + 1} failed: "
                                     f"{self.describe_error(e)}; the last good checkpoint is "
                                     f"{self.last_checkpoint or 'none'}") from None
@@ -197,7 +210,11 @@ class Controller:
                          self.config.accum, now - start)
                 note_at = now + LONG_UPDATE_NOTE
             self.watchdog.progress()
-            yield next(self.batches)
+            try:
+                batch = next(self.batches)
+            except tf.errors.OpError as e:  # of any kind: a py_function's own error is UnknownError
+                raise _InputFailed(e) from e
+            yield batch
 
     def _save(self, step: int) -> None:
         self.inner.sync_state()
