@@ -10,7 +10,6 @@ checkpoint file is ever overwritten.
 from __future__ import annotations
 
 import dataclasses
-import glob
 import json
 import os
 import re
@@ -210,9 +209,10 @@ def _write_index(directory: str, numbers: list[int]) -> None:
                  + [f"last_preserved_timestamp: {now - 1!r}"])
         write_whole(path, "\n".join(lines) + "\n")
     except OSError as e:
+        failure = write_failure(e)
         raise TrainingError(f"cannot rewrite the index {path} of the checkpoints found "
-                            f"({write_failure(e)}); the checkpoints are intact; make room and run "
-                            "the same command to resume") from None
+                            f"({failure}); the checkpoints are intact; {write_remedy(failure)} and "
+                            "run the same command to resume") from None
     logging.warning("%s did not list the checkpoints this run continues (it was missing, damaged, "
                     "or listed others): rewritten from the checkpoint files to list %s", path,
                     ", ".join(names))
@@ -286,22 +286,59 @@ class CheckpointWriter:
         Raises TrainingError when it cannot be written (a full disk, a lost mount), after
         removing what the failed write left: the earlier checkpoints stay as they were.
         """
+        set_aside = written = False
         try:
             if self._is_chief:
                 self._set_aside(step)
+            set_aside = True  # from here, every file of ckpt-<step> is this save's
             self._manager.save(checkpoint_number=step)
+            written = True
             self._latest = os.path.join(self.train_dir, f"ckpt-{step}")
             if self._is_chief:  # after the checkpoint: a record beside no checkpoint is refused
                 write_run_record(self.train_dir, self._record)
         except (tf.errors.OpError, OSError) as e:
-            for leftover in glob.glob(os.path.join(glob.escape(self._directory), f"ckpt-{step}_temp*")):
-                shutil.rmtree(leftover, ignore_errors=True)
-            kept = (f"the last checkpoint, {self._latest}, is intact" if self._latest
-                    else "no checkpoint was written")
-            raise TrainingError(f"cannot write checkpoint ckpt-{step} in --train_dir={self.train_dir} "
-                                f"({write_failure(e)}); its partial files are removed and {kept}; "
-                                "make room and run the same command to resume") from None
+            failure = write_failure(e)
+            if written:  # the checkpoint is whole, and its copy of the record stands in for the file
+                raise TrainingError(f"cannot write {RUN_FILE} in --train_dir={self.train_dir} ({failure}); "
+                                    f"{self._latest} is written whole and holds a copy of it; "
+                                    f"{write_remedy(failure)} and run the same command to resume") from None
+            if set_aside:
+                self._remove_files_of(step)
+            if self._latest:
+                kept = f"the last checkpoint, {self._latest}, is intact"
+            elif self._is_chief:
+                kept = "no checkpoint was written"
+            else:  # this worker's copy is set aside; the train_dir's checkpoints are the chief's
+                kept = "the checkpoints in --train_dir are the chief's to write"
+            where = (f"--train_dir={self.train_dir}" if self._is_chief
+                     else f"this worker's directory {self._directory}")
+            raise TrainingError(f"cannot write checkpoint ckpt-{step} in {where} ({failure}); its "
+                                f"partial files are removed and {kept}; {write_remedy(failure)} and "
+                                "run the same command to resume") from None
         return self._latest
+
+    def _remove_files_of(self, step: int) -> None:
+        """Removes every file that a failed save of ckpt-<step> left, wherever it failed: the
+        staging ckpt-<step>_temp*, a data file or an index already merged before the index file
+        could be written (_set_aside moved any earlier ckpt-<step> away first, so all are this
+        save's)."""
+        try:
+            names = os.listdir(self._directory)
+        except OSError:
+            return  # no directory, nothing left in it
+        for name in names:
+            checkpoint_file = _CHECKPOINT_FILE.fullmatch(name)
+            if not (checkpoint_file and int(checkpoint_file.group(1)) == step
+                    or name.startswith(f"ckpt-{step}_temp")):
+                continue
+            path = os.path.join(self._directory, name)
+            try:
+                if os.path.isdir(path):
+                    shutil.rmtree(path)
+                else:
+                    os.remove(path)
+            except OSError as e:
+                logging.warning("cannot remove %s, left by the failed save (%s)", path, write_failure(e))
 
     def _set_aside(self, step: int) -> None:
         """Moves the files of an existing ckpt-<step> (passed over by `restore` as unreadable or
@@ -472,7 +509,13 @@ def _shape_mismatch(root: object, shapes: dict) -> str | None:
 
 
 _WRITE_FAILURES = re.compile(r"No space left on device|Disk quota exceeded|Read-only file system|"
-                             r"Permission denied|Input/output error")
+                             r"Permission denied|Operation not permitted|Input/output error")
+# What to do about each, before running the same command again.
+_REMEDIES = {"No space left on device": "make room", "Disk quota exceeded": "make room",
+             "Read-only file system": "make the file system writable",
+             "Permission denied": "give the run permission to write there",
+             "Operation not permitted": "give the run permission to write there (an immutable "
+                                        "file or directory?)"}
 
 
 def write_failure(error: BaseException) -> str:
@@ -480,3 +523,8 @@ def write_failure(error: BaseException) -> str:
     in op names and temporary paths)."""
     known = _WRITE_FAILURES.search(str(error))
     return known.group(0) if known else first_line(error)
+
+
+def write_remedy(failure: str) -> str:
+    """What to do about a write that failed for `failure` (`write_failure`'s words)."""
+    return _REMEDIES.get(failure, "fix the cause")
