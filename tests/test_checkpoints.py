@@ -295,3 +295,24 @@ def test_a_workers_failed_save_does_not_say_that_no_checkpoint_was_written(tmp_p
     assert str(raised.value) == (f"cannot write checkpoint ckpt-1 in this worker's directory {tmp_path}/.worker_1.tmp "
                                  f"({NO_SPACE}); its partial files are removed and the checkpoints in --train_dir "
                                  "are the chief's to write; make room and run the same command to resume")
+
+
+@pytest.mark.parametrize("earlier", [0, 1])
+def test_a_train_dir_whose_only_stray_is_the_data_of_an_interrupted_save_resumes(tmp_path, earlier):
+    """TF's merge renames a save's data file into place, then writes its index: a save cut
+    between the two (no inode left, a kill) leaves ckpt-N.data-* alone, with no run record if
+    it was the first."""
+    other, run = tmp_path / "other", tmp_path / "run"
+    other.mkdir(), run.mkdir()
+    train(other, 1)
+    train(run, earlier)
+    before = digests(run)
+    stray = f"ckpt-{earlier + 1}.data-00000-of-00001"
+    (run / stray).write_bytes((other / "ckpt-1.data-00000-of-00001").read_bytes())
+    checkpoints.check_same_run(str(run), RECORD)
+    restored = checkpoints.CheckpointWriter(state(), str(run), RECORD).restore()
+    assert restored == (str(run / "ckpt-1") if earlier else None)
+    assert digests(run) == before
+    assert (run / checkpoints.PASSED_OVER / f"ckpt-{earlier + 1}" / stray).exists()
+    train(run, 3)
+    assert checkpoints.checkpoint_numbers(str(run)) == [3, 2, 1]

@@ -48,7 +48,8 @@ def check_same_run(train_dir: str, record: dict) -> None:
     of the run were lost, and starting afresh would write over what is left.
     """
     saved = read_run_record(train_dir)
-    numbers = checkpoint_numbers(train_dir)
+    # The data files of an interrupted save are no checkpoint: the writer moves them aside.
+    numbers = [n for n in checkpoint_numbers(train_dir) if n not in interrupted_merges(train_dir)]
     says = ""
     if saved is not None and not numbers:
         raise UsageError(f"--train_dir={train_dir}: holds {RUN_FILE} but no checkpoint (no ckpt-N "
@@ -177,7 +178,9 @@ def _reads_whole(path: str) -> bool:
 
 def remove_partial_saves(directory: str) -> None:
     """Removes what an interrupted save left (TF stages each checkpoint in ckpt-N_temp*): a second
-    signal or a kill during a save. Only the run that holds the train_dir's lock calls it."""
+    signal or a kill during a save; and moves into PASSED_OVER the data files of a save cut
+    between its merge's steps (`interrupted_merges`). Only the run that holds the train_dir's
+    lock calls it."""
     for name in os.listdir(directory):
         if _PARTIAL_SAVE.fullmatch(name):
             path = os.path.join(directory, name)
@@ -186,6 +189,38 @@ def remove_partial_saves(directory: str) -> None:
             else:
                 os.remove(path)
             logging.info("removed %s, left by a save that was interrupted", path)
+    for number in interrupted_merges(directory):
+        logging.warning("moved the data files of ckpt-%d, a save interrupted before its index was "
+                        "written, to %s", number, _move_aside(directory, number))
+
+
+def interrupted_merges(directory: str) -> list[int]:
+    """The checkpoints newer than every whole one that have data files but no index: TF's merge
+    renames a save's data files into place before it writes the index, so these are the last
+    save, cut there (by a full disk, no inode left, a kill). No restore can read them."""
+    try:
+        names = set(os.listdir(directory))
+    except OSError:
+        return []
+    indexed = [n for n in checkpoint_numbers(directory) if f"ckpt-{n}.index" in names]
+    return [n for n in checkpoint_numbers(directory)
+            if f"ckpt-{n}.index" not in names and n > max(indexed, default=-1)]
+
+
+def _move_aside(train_dir: str, step: int) -> str | None:
+    """Moves the files of ckpt-<step> into PASSED_OVER/ckpt-<step> (or a fresh name beside it);
+    returns where, or None when it has none."""
+    names = [name for name in os.listdir(train_dir)
+             if (match := _CHECKPOINT_FILE.fullmatch(name)) and int(match.group(1)) == step]
+    if not names:
+        return None
+    target = os.path.join(train_dir, PASSED_OVER, f"ckpt-{step}")
+    if os.path.exists(target):
+        target = fresh_directory(target)
+    os.makedirs(target)
+    for name in names:
+        os.replace(os.path.join(train_dir, name), os.path.join(target, name))
+    return target
 
 
 def _write_index(directory: str, numbers: list[int]) -> None:
@@ -343,18 +378,10 @@ class CheckpointWriter:
     def _set_aside(self, step: int) -> None:
         """Moves the files of an existing ckpt-<step> (passed over by `restore` as unreadable or
         non-finite) into PASSED_OVER, so that this run's ckpt-<step> writes over none of them."""
-        names = [name for name in os.listdir(self.train_dir)
-                 if (match := _CHECKPOINT_FILE.fullmatch(name)) and int(match.group(1)) == step]
-        if not names:
-            return
-        target = os.path.join(self.train_dir, PASSED_OVER, f"ckpt-{step}")
-        if os.path.exists(target):
-            target = fresh_directory(target)
-        os.makedirs(target)
-        for name in names:
-            os.replace(os.path.join(self.train_dir, name), os.path.join(target, name))
-        logging.warning("moved the files of the passed-over checkpoint ckpt-%d to %s: this run "
-                        "writes its own ckpt-%d", step, target, step)
+        target = _move_aside(self.train_dir, step)
+        if target:
+            logging.warning("moved the files of the passed-over checkpoint ckpt-%d to %s: this run "
+                            "writes its own ckpt-%d", step, target, step)
 
     def latest(self) -> str | None:
         """The checkpoint restored or last written."""
