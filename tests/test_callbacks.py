@@ -255,6 +255,35 @@ def test_early_stopping_stops_at_an_update_boundary_saved_and_resumes_bit_exactl
         np.testing.assert_array_equal(got[name], want[name], err_msg=name)
 
 
+def test_early_stopping_that_restores_its_best_weights_has_the_result_say_which_weights_each_holds(
+        tmp_path, caplog):
+    options = dict(eval_data=arrays(n=20, seed=1), eval_every=2, max_steps=8, deterministic=True)
+    # No evaluation improves on the first (at update 2): it stops after the second (at 4) and
+    # restores update 2's weights.
+    early = keras.callbacks.EarlyStopping(monitor="val_loss", min_delta=100.0, patience=1,
+                                          restore_best_weights=True)
+    with caplog.at_level(logging.INFO, logger="absl"):
+        result = run(tmp_path / "early", callbacks=[early], **options)
+    best = run(tmp_path / "best", **{**options, "max_steps": 2})
+    assert result.step == 4 and result.weights_written_by == "callback EarlyStopping.on_train_end"
+    for got, want in zip(result.model.get_weights(), best.model.get_weights(), strict=True):
+        np.testing.assert_array_equal(got, want)
+    assert result.eval_loss == best.eval_loss == result.history["val_loss"][0]
+    assert result.eval_loss != result.history["val_loss"][1]  # update 4's, which ckpt-4 holds
+    # ckpt-4 holds update 4's state, as a run of 4 updates without the callback has it.
+    late = run(tmp_path / "late", **{**options, "max_steps": 4})
+    assert late.weights_written_by is None
+    got, want = checkpoint_values(result.checkpoint), checkpoint_values(late.checkpoint)
+    assert got.keys() == want.keys()
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+    assert np.abs(late.model.get_weights()[0] - result.model.get_weights()[0]).max() > 1e-4
+    assert any(record.getMessage() == (
+        "callback EarlyStopping.on_train_end set the weights: TrainResult.model and its held-out "
+        f"evaluation are of them, not of update 4, which {tmp_path / 'early' / 'ckpt-4'} holds")
+        for record in caplog.records)
+
+
 class FailsAt(keras.callbacks.Callback):
     def __init__(self, step):
         super().__init__()

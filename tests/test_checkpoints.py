@@ -11,7 +11,7 @@ import tensorflow as tf
 
 from tower_train import checkpoints, run_dir
 from tower_train.config import RUN_FILE
-from tower_train.errors import UsageError
+from tower_train.errors import TrainingError, UsageError
 
 RECORD = run_dir.run_record("mlp", None, "synthetic", 0, "momentum", 16, True)
 
@@ -186,3 +186,133 @@ def test_checkpoints_of_earlier_versions_without_a_copy_still_resume(tmp_path):
     writer.save(2)
     assert json.loads(tf.train.load_variable(str(tmp_path / "ckpt-2"),
                                              "run_record/.ATTRIBUTES/VARIABLE_VALUE")) == RECORD
+
+
+NO_SPACE = "No space left on device"
+# TensorFlow's wrapping of a failed write, as SaveV2 raises it.
+WRAPPED = ("{{function_node __wrapped__SaveV2_dtypes_2_device_/job:localhost/replica:0/task:0/device:CPU:0}} "
+           "%s/ckpt-%d_temp/part-00000-of-00001.data-00000-of-00001.tempstate1; %s [Op:SaveV2] name: ")
+
+
+def failing_save(writer, monkeypatch, point, step, reason=NO_SPACE, error=tf.errors.ResourceExhaustedError):
+    """Makes writer's next save fail at `point`, leaving what a write failing there leaves: the
+    staging directory; the merged data file alone; data and index without the index file's entry."""
+    manager = writer._manager
+    real_save = manager.save
+    directory = manager.directory
+
+    def save(checkpoint_number):
+        index = os.path.join(directory, "checkpoint")
+        listed_before = open(index).read() if os.path.exists(index) else None
+        if point == "staging":
+            os.makedirs(os.path.join(directory, f"ckpt-{step}_temp"))
+            with open(os.path.join(directory, f"ckpt-{step}_temp", "part-00000-of-00001.index"), "wb") as f:
+                f.write(b"half")
+        else:
+            real_save(checkpoint_number=checkpoint_number)
+            if point == "merge":
+                os.remove(os.path.join(directory, f"ckpt-{step}.index"))
+            if listed_before is None:
+                os.remove(index)
+            else:
+                with open(index, "w") as f:
+                    f.write(listed_before)
+        raise error(None, None, WRAPPED % (directory, step, reason))
+
+    monkeypatch.setattr(manager, "save", save)
+
+
+@pytest.mark.parametrize("step", [1, 2])
+@pytest.mark.parametrize("point", ["staging", "merge", "index file"])
+def test_a_save_that_fails_at_any_point_leaves_no_file_of_it_and_the_same_run_goes_on(tmp_path, monkeypatch,
+                                                                                        point, step):
+    writer = train(tmp_path, step - 1)
+    before = digests(tmp_path)
+    failing_save(writer, monkeypatch, point, step)
+    writer._checkpoint.step.assign(step)
+    with pytest.raises(TrainingError) as error:
+        writer.save(step)
+    kept = f"the last checkpoint, {tmp_path}/ckpt-1, is intact" if step == 2 else "no checkpoint was written"
+    assert str(error.value) == (f"cannot write checkpoint ckpt-{step} in --train_dir={tmp_path} ({NO_SPACE}); its "
+                                f"partial files are removed and {kept}; make room and run the same command to "
+                                "resume")
+    assert digests(tmp_path) == before and not list(tmp_path.glob(f"ckpt-{step}*"))
+    # The same run again: not refused (no stray checkpoint without a record), it goes on from
+    # the last checkpoint and writes the one that failed.
+    checkpoints.check_same_run(str(tmp_path), RECORD)
+    train(tmp_path, 3)
+    assert checkpoints.checkpoint_numbers(str(tmp_path)) == [3, 2, 1]
+    assert tf.train.load_variable(str(tmp_path / f"ckpt-{step}"), "model/w/.ATTRIBUTES/VARIABLE_VALUE").tolist() == [
+        step, step]
+
+
+def test_a_run_record_that_cannot_be_written_after_a_whole_checkpoint_keeps_the_checkpoint(tmp_path, monkeypatch):
+    writer = train(tmp_path, 0)
+
+    def no_room(train_dir, record):
+        raise OSError(28, NO_SPACE)
+
+    monkeypatch.setattr(checkpoints, "write_run_record", no_room)
+    with pytest.raises(TrainingError) as error:
+        writer.save(1)
+    assert str(error.value) == (f"cannot write {RUN_FILE} in --train_dir={tmp_path} ({NO_SPACE}); {tmp_path}/ckpt-1 "
+                                "is written whole and holds a copy of it; make room and run the same command to "
+                                "resume")
+    monkeypatch.undo()
+    checkpoints.check_same_run(str(tmp_path), RECORD)  # the copy stands in for the file
+    assert checkpoints.CheckpointWriter(state(), str(tmp_path), RECORD).restore() == str(tmp_path / "ckpt-1")
+
+
+STAGED = "{}/ckpt-2_temp/part-00000-of-00001.data-00000-of-00001.tempstate1; "
+
+
+@pytest.mark.parametrize("reason, error, said, remedy", [
+    ("Operation not permitted", tf.errors.PermissionDeniedError, "Operation not permitted",
+     "give the run permission to write there (an immutable file or directory?)"),
+    ("Permission denied", tf.errors.PermissionDeniedError, "Permission denied", "give the run permission to write there"),
+    ("Read-only file system", tf.errors.FailedPreconditionError, "Read-only file system", "make the file system writable"),
+    # An unknown reason: TensorFlow's line, its wrapping left out.
+    ("Failed to rename", tf.errors.UnknownError, STAGED + "Failed to rename", "fix the cause"),
+])
+def test_a_save_refused_for_another_reason_says_that_reason_without_tensorflows_wrapping(
+        tmp_path, monkeypatch, reason, error, said, remedy):
+    writer = train(tmp_path, 1)
+    failing_save(writer, monkeypatch, "staging", 2, reason, error)
+    with pytest.raises(TrainingError) as raised:
+        writer.save(2)
+    assert str(raised.value) == (f"cannot write checkpoint ckpt-2 in --train_dir={tmp_path} ({said.format(tmp_path)}); "
+                                 f"its partial files are removed and the last checkpoint, {tmp_path}/ckpt-1, is "
+                                 f"intact; {remedy} and run the same command to resume")
+
+
+def test_a_workers_failed_save_does_not_say_that_no_checkpoint_was_written(tmp_path, monkeypatch):
+    writer = checkpoints.CheckpointWriter(state(), str(tmp_path), RECORD, is_chief=False, worker_index=1)
+    writer.restore()
+    failing_save(writer, monkeypatch, "staging", 1)
+    with pytest.raises(TrainingError) as raised:
+        writer.save(1)
+    assert "no checkpoint was written" not in str(raised.value)
+    assert str(raised.value) == (f"cannot write checkpoint ckpt-1 in this worker's directory {tmp_path}/.worker_1.tmp "
+                                 f"({NO_SPACE}); its partial files are removed and the checkpoints in --train_dir "
+                                 "are the chief's to write; make room and run the same command to resume")
+
+
+@pytest.mark.parametrize("earlier", [0, 1])
+def test_a_train_dir_whose_only_stray_is_the_data_of_an_interrupted_save_resumes(tmp_path, earlier):
+    """TF's merge renames a save's data file into place, then writes its index: a save cut
+    between the two (no inode left, a kill) leaves ckpt-N.data-* alone, with no run record if
+    it was the first."""
+    other, run = tmp_path / "other", tmp_path / "run"
+    other.mkdir(), run.mkdir()
+    train(other, 1)
+    train(run, earlier)
+    before = digests(run)
+    stray = f"ckpt-{earlier + 1}.data-00000-of-00001"
+    (run / stray).write_bytes((other / "ckpt-1.data-00000-of-00001").read_bytes())
+    checkpoints.check_same_run(str(run), RECORD)
+    restored = checkpoints.CheckpointWriter(state(), str(run), RECORD).restore()
+    assert restored == (str(run / "ckpt-1") if earlier else None)
+    assert digests(run) == before
+    assert (run / checkpoints.PASSED_OVER / f"ckpt-{earlier + 1}" / stray).exists()
+    train(run, 3)
+    assert checkpoints.checkpoint_numbers(str(run)) == [3, 2, 1]

@@ -2,6 +2,8 @@
 to the weights of Keras's own `fit` on the same examples, in two layouts of one G; resumes bit for
 bit; its stream is cut the same way by any batch, a resume and the workers' shards; and bad input
 is one UsageError line with nothing written."""
+import inspect
+
 import keras
 import numpy as np
 import pytest
@@ -9,6 +11,7 @@ import tensorflow as tf
 
 import tower_train
 from tower_train.dataset_source import DatasetSource
+from test_cli_errors import run_cli
 from keras_reference import (CLASSES, EXAMPLES, FEATURES, SGD_OPTIONS, UPDATES, arrays, assert_same_weights,
                              functional, keras_fit, sequential, with_weights)
 
@@ -162,3 +165,66 @@ def test_bad_pipelines_are_one_usage_error_line_naming_them_and_write_nothing(tm
                         num_gpus=2, batch_size=4, max_steps=1)
     assert message in str(error.value) and "\n" not in str(error.value), error.value
     assert not train_dir.exists()
+
+
+def failing_at_40() -> tf.data.Dataset:
+    """arrays()'s examples in order, through a py_function that raises on example 40 (the first
+    of update 6 at G = 8)."""
+    features, labels = arrays()
+
+    def check(index):
+        if int(index) == 40:
+            raise RuntimeError(f"example {int(index)} is unreadable")
+        return index
+
+    checked = tf.data.Dataset.range(EXAMPLES).map(lambda i: tf.ensure_shape(tf.py_function(check, [i], tf.int64), []))
+    return checked.map(lambda i: (tf.gather(features, i), tf.gather(labels, i)))
+
+
+def test_a_pipeline_that_raises_mid_run_is_one_training_error_naming_it_with_the_checkpoints_kept(tmp_path):
+    train_dir = tmp_path / "run"
+    with pytest.raises(tower_train.TrainingError) as error:
+        tower_train.fit(model=sequential(), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                        data=tower_train.DatasetSource(train=failing_at_40, num_classes=CLASSES),
+                        train_dir=train_dir, num_gpus=2, batch_size=4, max_steps=8, checkpoint_every=1)
+    assert str(error.value) == ("update 6 failed in the input pipeline: RuntimeError: example 40 is unreadable; "
+                                f"the last good checkpoint is {train_dir / 'ckpt-5'}")
+    assert int(tf.train.load_variable(str(train_dir / "ckpt-5"), "step/.ATTRIBUTES/VARIABLE_VALUE")) == 5
+
+
+FAILING_MODULE = f"""
+import keras
+import numpy as np
+import tensorflow as tf
+
+import tower_train
+from tower_train.models import register
+
+EXAMPLES, FEATURES, CLASSES = {EXAMPLES}, {FEATURES}, {CLASSES}
+
+{inspect.getsource(arrays)}
+{inspect.getsource(failing_at_40)}
+
+@tower_train.data.register("test_failing_at_40")
+def failing():
+    return tower_train.DatasetSource(train=failing_at_40, num_classes=CLASSES, name="failing")
+
+
+@register("test_dense", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+def dense():
+    return keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(CLASSES)])
+"""
+
+
+def test_a_pipeline_that_raises_mid_run_is_one_line_and_exit_1_from_the_command_line(tmp_path):
+    (tmp_path / "failing_data.py").write_text(FAILING_MODULE)
+    train_dir = tmp_path / "run"
+    done = run_cli("--data_module=failing_data", "--dataset=test_failing_at_40", "--model_module=failing_data",
+                   "--model=test_dense", "--num_gpus=2", "--batch_size=4", "--max_steps=8", "--checkpoint_every=1",
+                   f"--train_dir={train_dir}", cwd=tmp_path)
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert done.stderr.strip().splitlines()[-1] == (
+        "tower_train: update 6 failed in the input pipeline: RuntimeError: example 40 is unreadable; "
+        f"the last good checkpoint is {train_dir / 'ckpt-5'}")
+    assert (train_dir / "ckpt-5.index").exists()

@@ -10,7 +10,7 @@ import pytest
 import tensorflow as tf
 
 import tower_train
-from tower_train.errors import TrainingError, UsageError, op_error_text, traced_message
+from tower_train.errors import TrainingError, UsageError, first_line, op_error_text, traced_message
 
 NUM_CLASSES = 5
 FEATURES = np.arange(40 * 3, dtype=np.float32).reshape(40, 3)
@@ -91,3 +91,16 @@ def test_traced_message_is_the_errors_own_line_without_the_stack_tf_function_add
                         '        raise UsageError(...)\n\n    UsageError: Net: the message\n')
     assert traced_message(traced) == "Net: the message"
     assert traced_message(UsageError("a line of its own")) == "a line of its own"
+
+
+def test_every_one_line_error_and_quoted_first_line_leaves_tensorflows_wrapping_out():
+    wrapped = ("{{function_node __wrapped__SaveV2_dtypes_2_device_/job:localhost/replica:0/task:0/device:CPU:0}} "
+               "/run/ckpt-3_temp/part-00000-of-00001.data-00000-of-00001.tempstate9; Operation not permitted "
+               "[Op:SaveV2] name: ")
+    for error_type in (UsageError, TrainingError):
+        assert str(error_type(f"cannot write checkpoint ckpt-3 ({wrapped}); stop")) == (
+            "cannot write checkpoint ckpt-3 (/run/ckpt-3_temp/part-00000-of-00001.data-00000-of-00001.tempstate9; "
+            "Operation not permitted); stop")
+    assert first_line(tf.errors.PermissionDeniedError(None, None, f"{wrapped}\nmore")) == (
+        "/run/ckpt-3_temp/part-00000-of-00001.data-00000-of-00001.tempstate9; Operation not permitted")
+    assert str(TrainingError("a message of ours,  spaced   as written")) == "a message of ours,  spaced   as written"

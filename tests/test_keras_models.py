@@ -74,6 +74,37 @@ class Subclassed(keras.Model):
         return self.logits(self.hidden(features))
 
 
+class OwnSteps(Subclassed):
+    """Overrides what Keras's fit and evaluate call: a train_step that updates nothing, its own
+    compute_loss and test_step."""
+
+    def train_step(self, data):
+        return {}
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+        return 0.0
+
+    def test_step(self, data):
+        return {}
+
+
+def test_a_model_overriding_fits_steps_trains_with_one_warning_naming_them_and_what_runs_instead(
+        tmp_path, caplog):
+    keras.utils.set_random_seed(6)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    for model in (Subclassed, OwnSteps):
+        caplog.clear()
+        result = tower_fit(model, loss, tmp_path / model.__name__, max_steps=1)
+        named = [r.getMessage() for r in caplog.records if "never calls" in r.getMessage()]
+        if model is Subclassed:
+            assert named == []
+    assert named == ["model=test_keras_models.OwnSteps: overrides keras.Model's train_step, compute_loss, "
+                     "test_step, which tower-train never calls: its updates and held-out evaluations run "
+                     "the model's call() and loss=SparseCategoricalCrossentropy per label, the update "
+                     "rule of docs/gradient-math.md"]
+    assert result.loss > 0.5  # the loss= cross-entropy of 3 classes, not compute_loss's 0
+
+
 def built_subclassed():
     model = Subclassed()
     model(np.zeros((1, FEATURES), np.float32))
@@ -133,6 +164,37 @@ def test_a_subclassed_instance_is_cloned_and_trains_to_the_weights_of_kerass_own
     model = with_weights(built_subclassed, initial)
     assert tower_fit(model, loss, tmp_path).model is model
     assert_same_weights(model.get_weights(), expected)
+
+
+class ScaledCrossEntropy(keras.losses.Loss):
+    """A user's Loss subclass: its own call and a constructor argument, no get_config, so that
+    Keras cannot remake it from a config."""
+
+    def __init__(self, scale: float):
+        super().__init__()
+        self.scale = scale
+
+    def call(self, y_true, y_pred):
+        return self.scale * keras.losses.sparse_categorical_crossentropy(y_true, y_pred, from_logits=True)
+
+
+@keras.saving.register_keras_serializable(package="test_keras_models")
+class RegisteredScaledCrossEntropy(ScaledCrossEntropy):
+    pass
+
+
+@pytest.mark.parametrize("loss_class", [ScaledCrossEntropy, RegisteredScaledCrossEntropy])
+def test_a_custom_loss_subclass_is_called_as_written_and_trains_to_the_weights_of_kerass_own_fit(
+        tmp_path, loss_class):
+    keras.utils.set_random_seed(5)
+    initial = sequential().get_weights()
+    expected = keras_fit(sequential, initial, loss_class(2.0))
+    model, loss = with_weights(sequential, initial), loss_class(2.0)
+    result = tower_fit(model, loss, tmp_path, layout=(1, 24, 1))
+    assert result.model is model and loss.reduction == "sum_over_batch_size"
+    assert_same_weights(model.get_weights(), expected)
+    # At scale 1 the weights would end elsewhere: the user's call, with its scale, was used.
+    assert np.abs(expected[0] - keras_fit(sequential, initial, loss_class(1.0))[0]).max() > 1e-2
 
 
 def test_a_keras_instance_resumes_from_the_train_dirs_checkpoint_bit_for_bit(tmp_path):

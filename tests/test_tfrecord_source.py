@@ -521,7 +521,7 @@ def test_a_file_damaged_after_the_check_fails_the_update_reading_it_in_one_line(
                         batch_size=4, max_steps=6, checkpoint_every=1, log_every=100)
     line = str(caught.value)
     assert "\n" not in line, line
-    assert line.startswith(f"update {update} failed: tfrecord: train_files: {train[2]!r} {fault}"), line
+    assert line.startswith(f"update {update} failed in the input pipeline: tfrecord: train_files: {train[2]!r} {fault}"), line
     assert line.endswith(f"the last good checkpoint is {tmp_path / 'run' / f'ckpt-{update - 1}'}"), line
     if damage == "deleted":
         assert "No such file or directory" in line, line
@@ -564,7 +564,7 @@ def test_a_record_that_does_not_parse_fails_the_update_naming_the_file_and_the_f
     line = str(caught.value)
     assert "\n" not in line and "{{" not in line and "[[" not in line, line
     # Micro-batches of 8 in file order: update 3 reads the first records of bad.tfrecord.
-    assert line.startswith(f"update 3 failed: tfrecord: train_files: {bad!r} has a record that does not "
+    assert line.startswith(f"update 3 failed in the input pipeline: tfrecord: train_files: {bad!r} has a record that does not "
                            f"parse: Name: <unknown>, Feature: {long_name} (data type: float) is required "
                            "but could not be found."), line
 
@@ -627,6 +627,6 @@ def test_a_file_deleted_while_the_command_trains_is_one_line_and_exit_1(tmp_path
     last = rest.strip().splitlines()[-1]
     assert process.returncode == 1, rest[-3000:]
     assert "Traceback" not in rest, rest[-3000:]
-    assert re.fullmatch(rf"tower_train: update \d+ failed: records: train_files: {re.escape(repr(train[1]))} "
+    assert re.fullmatch(rf"tower_train: update \d+ failed in the input pipeline: records: train_files: {re.escape(repr(train[1]))} "
                         rf"cannot be read: .*No such file or directory; the last good checkpoint is none",
                         last), last

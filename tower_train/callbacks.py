@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Sequence
 
 import keras
+import numpy as np
 
 from tower_train.errors import UsageError
 from tower_train.progress import learning_rate
@@ -47,6 +48,7 @@ class KerasCallbacks:
         self._callbacks, self._model, self._history = list(callbacks), model, history
         self._evaluations_told = len(history["val_step"])
         self.stopped_by: str | None = None  # the callback that set model.stop_training first
+        self.weights_written_by: str | None = None
         for callback in self._callbacks:
             callback.set_model(model)
 
@@ -69,8 +71,15 @@ class KerasCallbacks:
         self._tell_evaluations()
 
     def train_end(self) -> None:
+        """Tells the last evaluation and the end; `weights_written_by` names the first callback
+        whose on_train_end set the network's weights (EarlyStopping restoring its best)."""
         self._tell_evaluations()  # the one at the end of training
-        self._call("on_train_end")
+        for callback in self._callbacks:
+            before = self._model.get_weights()
+            self._call_one(callback, "on_train_end")
+            if self.weights_written_by is None and not all(
+                    np.array_equal(a, b) for a, b in zip(before, self._model.get_weights(), strict=True)):
+                self.weights_written_by = f"callback {type(callback).__name__}.on_train_end"
 
     def _tell_evaluations(self) -> None:
         history = self._history
@@ -83,7 +92,10 @@ class KerasCallbacks:
 
     def _call(self, method: str, *args) -> None:
         for callback in self._callbacks:
-            name = f"callback {type(callback).__name__}.{method}"
-            call_user_code(lambda: getattr(callback, method)(*args), name)
-            if self.stopped_by is None and self._model.stop_training:
-                self.stopped_by = name
+            self._call_one(callback, method, *args)
+
+    def _call_one(self, callback: keras.callbacks.Callback, method: str, *args) -> None:
+        name = f"callback {type(callback).__name__}.{method}"
+        call_user_code(lambda: getattr(callback, method)(*args), name)
+        if self.stopped_by is None and self._model.stop_training:
+            self.stopped_by = name

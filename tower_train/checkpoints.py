@@ -10,7 +10,6 @@ checkpoint file is ever overwritten.
 from __future__ import annotations
 
 import dataclasses
-import glob
 import json
 import os
 import re
@@ -49,7 +48,8 @@ def check_same_run(train_dir: str, record: dict) -> None:
     of the run were lost, and starting afresh would write over what is left.
     """
     saved = read_run_record(train_dir)
-    numbers = checkpoint_numbers(train_dir)
+    # The data files of an interrupted save are no checkpoint: the writer moves them aside.
+    numbers = [n for n in checkpoint_numbers(train_dir) if n not in interrupted_merges(train_dir)]
     says = ""
     if saved is not None and not numbers:
         raise UsageError(f"--train_dir={train_dir}: holds {RUN_FILE} but no checkpoint (no ckpt-N "
@@ -178,7 +178,9 @@ def _reads_whole(path: str) -> bool:
 
 def remove_partial_saves(directory: str) -> None:
     """Removes what an interrupted save left (TF stages each checkpoint in ckpt-N_temp*): a second
-    signal or a kill during a save. Only the run that holds the train_dir's lock calls it."""
+    signal or a kill during a save; and moves into PASSED_OVER the data files of a save cut
+    between its merge's steps (`interrupted_merges`). Only the run that holds the train_dir's
+    lock calls it."""
     for name in os.listdir(directory):
         if _PARTIAL_SAVE.fullmatch(name):
             path = os.path.join(directory, name)
@@ -187,6 +189,38 @@ def remove_partial_saves(directory: str) -> None:
             else:
                 os.remove(path)
             logging.info("removed %s, left by a save that was interrupted", path)
+    for number in interrupted_merges(directory):
+        logging.warning("moved the data files of ckpt-%d, a save interrupted before its index was "
+                        "written, to %s", number, _move_aside(directory, number))
+
+
+def interrupted_merges(directory: str) -> list[int]:
+    """The checkpoints newer than every whole one that have data files but no index: TF's merge
+    renames a save's data files into place before it writes the index, so these are the last
+    save, cut there (by a full disk, no inode left, a kill). No restore can read them."""
+    try:
+        names = set(os.listdir(directory))
+    except OSError:
+        return []
+    indexed = [n for n in checkpoint_numbers(directory) if f"ckpt-{n}.index" in names]
+    return [n for n in checkpoint_numbers(directory)
+            if f"ckpt-{n}.index" not in names and n > max(indexed, default=-1)]
+
+
+def _move_aside(train_dir: str, step: int) -> str | None:
+    """Moves the files of ckpt-<step> into PASSED_OVER/ckpt-<step> (or a fresh name beside it);
+    returns where, or None when it has none."""
+    names = [name for name in os.listdir(train_dir)
+             if (match := _CHECKPOINT_FILE.fullmatch(name)) and int(match.group(1)) == step]
+    if not names:
+        return None
+    target = os.path.join(train_dir, PASSED_OVER, f"ckpt-{step}")
+    if os.path.exists(target):
+        target = fresh_directory(target)
+    os.makedirs(target)
+    for name in names:
+        os.replace(os.path.join(train_dir, name), os.path.join(target, name))
+    return target
 
 
 def _write_index(directory: str, numbers: list[int]) -> None:
@@ -210,9 +244,10 @@ def _write_index(directory: str, numbers: list[int]) -> None:
                  + [f"last_preserved_timestamp: {now - 1!r}"])
         write_whole(path, "\n".join(lines) + "\n")
     except OSError as e:
+        failure = write_failure(e)
         raise TrainingError(f"cannot rewrite the index {path} of the checkpoints found "
-                            f"({write_failure(e)}); the checkpoints are intact; make room and run "
-                            "the same command to resume") from None
+                            f"({failure}); the checkpoints are intact; {write_remedy(failure)} and "
+                            "run the same command to resume") from None
     logging.warning("%s did not list the checkpoints this run continues (it was missing, damaged, "
                     "or listed others): rewritten from the checkpoint files to list %s", path,
                     ", ".join(names))
@@ -286,38 +321,67 @@ class CheckpointWriter:
         Raises TrainingError when it cannot be written (a full disk, a lost mount), after
         removing what the failed write left: the earlier checkpoints stay as they were.
         """
+        set_aside = written = False
         try:
             if self._is_chief:
                 self._set_aside(step)
+            set_aside = True  # from here, every file of ckpt-<step> is this save's
             self._manager.save(checkpoint_number=step)
+            written = True
             self._latest = os.path.join(self.train_dir, f"ckpt-{step}")
             if self._is_chief:  # after the checkpoint: a record beside no checkpoint is refused
                 write_run_record(self.train_dir, self._record)
         except (tf.errors.OpError, OSError) as e:
-            for leftover in glob.glob(os.path.join(glob.escape(self._directory), f"ckpt-{step}_temp*")):
-                shutil.rmtree(leftover, ignore_errors=True)
-            kept = (f"the last checkpoint, {self._latest}, is intact" if self._latest
-                    else "no checkpoint was written")
-            raise TrainingError(f"cannot write checkpoint ckpt-{step} in --train_dir={self.train_dir} "
-                                f"({write_failure(e)}); its partial files are removed and {kept}; "
-                                "make room and run the same command to resume") from None
+            failure = write_failure(e)
+            if written:  # the checkpoint is whole, and its copy of the record stands in for the file
+                raise TrainingError(f"cannot write {RUN_FILE} in --train_dir={self.train_dir} ({failure}); "
+                                    f"{self._latest} is written whole and holds a copy of it; "
+                                    f"{write_remedy(failure)} and run the same command to resume") from None
+            if set_aside:
+                self._remove_files_of(step)
+            if self._latest:
+                kept = f"the last checkpoint, {self._latest}, is intact"
+            elif self._is_chief:
+                kept = "no checkpoint was written"
+            else:  # this worker's copy is set aside; the train_dir's checkpoints are the chief's
+                kept = "the checkpoints in --train_dir are the chief's to write"
+            where = (f"--train_dir={self.train_dir}" if self._is_chief
+                     else f"this worker's directory {self._directory}")
+            raise TrainingError(f"cannot write checkpoint ckpt-{step} in {where} ({failure}); its "
+                                f"partial files are removed and {kept}; {write_remedy(failure)} and "
+                                "run the same command to resume") from None
         return self._latest
+
+    def _remove_files_of(self, step: int) -> None:
+        """Removes every file that a failed save of ckpt-<step> left, wherever it failed: the
+        staging ckpt-<step>_temp*, a data file or an index already merged before the index file
+        could be written (_set_aside moved any earlier ckpt-<step> away first, so all are this
+        save's)."""
+        try:
+            names = os.listdir(self._directory)
+        except OSError:
+            return  # no directory, nothing left in it
+        for name in names:
+            checkpoint_file = _CHECKPOINT_FILE.fullmatch(name)
+            if not (checkpoint_file and int(checkpoint_file.group(1)) == step
+                    or name.startswith(f"ckpt-{step}_temp")):
+                continue
+            path = os.path.join(self._directory, name)
+            try:
+                if os.path.isdir(path):
+                    shutil.rmtree(path)
+                else:
+                    os.remove(path)
+            except OSError as e:
+                logging.warning("cannot remove %s, left by the failed save (%s)", path, write_failure(e))
 
     def _set_aside(self, step: int) -> None:
         """Moves the files of an existing ckpt-<step> (passed over by `restore` as unreadable or
         non-finite) into PASSED_OVER, so that this run's ckpt-<step> writes over none of them."""
-        names = [name for name in os.listdir(self.train_dir)
-                 if (match := _CHECKPOINT_FILE.fullmatch(name)) and int(match.group(1)) == step]
-        if not names:
-            return
-        target = os.path.join(self.train_dir, PASSED_OVER, f"ckpt-{step}")
-        if os.path.exists(target):
-            target = fresh_directory(target)
-        os.makedirs(target)
-        for name in names:
-            os.replace(os.path.join(self.train_dir, name), os.path.join(target, name))
-        logging.warning("moved the files of the passed-over checkpoint ckpt-%d to %s: this run "
-                        "writes its own ckpt-%d", step, target, step)
+        target = _move_aside(self.train_dir, step)
+        if target:
+            logging.warning("moved the files of the passed-over checkpoint ckpt-%d to %s: this run "
+                            "writes its own ckpt-%d", step, target, step)
 
     def latest(self) -> str | None:
         """The checkpoint restored or last written."""
@@ -472,7 +536,13 @@ def _shape_mismatch(root: object, shapes: dict) -> str | None:
 
 
 _WRITE_FAILURES = re.compile(r"No space left on device|Disk quota exceeded|Read-only file system|"
-                             r"Permission denied|Input/output error")
+                             r"Permission denied|Operation not permitted|Input/output error")
+# What to do about each, before running the same command again.
+_REMEDIES = {"No space left on device": "make room", "Disk quota exceeded": "make room",
+             "Read-only file system": "make the file system writable",
+             "Permission denied": "give the run permission to write there",
+             "Operation not permitted": "give the run permission to write there (an immutable "
+                                        "file or directory?)"}
 
 
 def write_failure(error: BaseException) -> str:
@@ -480,3 +550,8 @@ def write_failure(error: BaseException) -> str:
     in op names and temporary paths)."""
     known = _WRITE_FAILURES.search(str(error))
     return known.group(0) if known else first_line(error)
+
+
+def write_remedy(failure: str) -> str:
+    """What to do about a write that failed for `failure` (`write_failure`'s words)."""
+    return _REMEDIES.get(failure, "fix the cause")

@@ -4,7 +4,15 @@ that such a line quotes from another error."""
 import re
 
 
-class UsageError(Exception):
+class _OneLineError(Exception):
+    """An error whose message reaches the user as one line: TensorFlow's wrapping of an op's
+    message that it quotes (`without_op_noise`) is left out here, once for every such error."""
+
+    def __init__(self, message: object = "", *args):
+        super().__init__(without_op_noise(str(message)), *args)
+
+
+class UsageError(_OneLineError):
     """Bad input: a flag, a file, the train_dir or the environment.
 
     The message is one line that names the culprit and what is allowed. The CLI
@@ -13,14 +21,14 @@ class UsageError(Exception):
     """
 
 
-class TrainingError(Exception):
+class TrainingError(_OneLineError):
     """Training cannot go on (a non-finite loss, a lost peer); the message is one line.
 
     The CLI prints it as ``tower_train: <message>`` and exits with status 1.
     """
 
 
-class Stopped(Exception):
+class Stopped(_OneLineError):
     """The run was asked to stop (SIGTERM, SIGINT, SIGHUP) and did so at an update boundary, saved.
 
     The CLI prints the message and exits with 128 + the signal's number, as a
@@ -33,10 +41,14 @@ class Stopped(Exception):
 
 
 def first_line(error: BaseException, limit: int = 300) -> str:
-    """The first line of an error's message (TensorFlow's `message` when it has one), cut to
-    `limit` characters: what a one-line error quotes."""
-    text = (getattr(error, "message", None) or str(error)).strip()
-    return text.splitlines()[0][:limit] if text else type(error).__name__
+    """The first line of an error's message (TensorFlow's `message` when it has one) that is not
+    TensorFlow's wrapping, without the wrapping within it, cut to `limit` characters: what a
+    one-line error quotes."""
+    for line in (getattr(error, "message", None) or str(error)).splitlines():
+        line = _ROOT_ERROR.sub("", without_op_noise(line).strip())
+        if line and not _OP_NOISE_LINE.fullmatch(line):
+            return line[:limit]
+    return type(error).__name__
 
 
 def traced_message(error: BaseException) -> str:
@@ -52,7 +64,7 @@ def traced_message(error: BaseException) -> str:
 
 # TensorFlow's wrapping of an op's own message: the function and node it ran in, the op that
 # raised it, tf.data's "user-defined function" preamble. Removed wherever it stands in a line.
-_OP_NOISE = re.compile(r"\{\{function_node [^}]*\}\}|\{\{node [^}]*\}\}|\[Op:[^\]]*\]( name: \S*)?|"
+_OP_NOISE = re.compile(r"\{\{function_node [^}]*\}\}|\{\{node [^}]*\}\}|\[Op:[^\]]*\]( name: [\w/.\-]*)?|"
                        r"Error in user-defined function passed to \S+ transformation with iterator: \S+: ")
 # Whole lines of it: the headline, where the node was defined (and its stack frames), the
 # nodes an error passed through, the count of root errors and of operations.
@@ -62,6 +74,15 @@ _OP_NOISE_LINE = re.compile(r"Graph execution error:|Detected at node .*|File \"
 _ROOT_ERROR = re.compile(r"^\(\d+\) [A-Z_]+: +")  # "(0) INVALID_ARGUMENT: " before each root error
 
 
+def without_op_noise(text: str) -> str:
+    """`text` without TensorFlow's wrapping of an op's message (`_OP_NOISE`) wherever it stands,
+    and without the spaces that the wrapping stood between."""
+    if "{{" not in text and "[Op:" not in text and "user-defined function" not in text:
+        return text  # a message of ours: left exactly as written
+    text = re.sub(r" {2,}", " ", _OP_NOISE.sub("", text))
+    return re.sub(r" ([);,])", r"\1", text.replace("( ", "(")).strip()
+
+
 def op_error_text(error: BaseException, limit: int = 1000) -> str:
     """The culprit's own words in an error, as one line: for a TensorFlow op error, the op's
     message (an assertion's text and values, a label's value, a file's name and offset) without
@@ -69,8 +90,16 @@ def op_error_text(error: BaseException, limit: int = 1000) -> str:
     same root error repeated per device). Only if what is left exceeds `limit` characters is it
     cut, at a space, so that a name in it is kept whole or left out, never cut."""
     parts: list[str] = []
+    in_traceback = False
     for line in (getattr(error, "message", None) or str(error)).splitlines():
-        line = _ROOT_ERROR.sub("", _OP_NOISE.sub("", line).strip())
+        # A py_function's error carries its Python traceback, whose last line repeats the error.
+        if line.strip() == "Traceback (most recent call last):":
+            in_traceback = True
+            continue
+        if in_traceback and (not line.strip() or line[0].isspace()):
+            continue
+        in_traceback = False
+        line = _ROOT_ERROR.sub("", without_op_noise(line).strip())
         if line and not _OP_NOISE_LINE.fullmatch(line) and line not in parts:
             parts.append(line)
     text = " ".join("; ".join(parts).split())

@@ -14,7 +14,6 @@ trained weights back at the end (`hand_back_instance`).
 """
 from __future__ import annotations
 
-import copy
 from typing import Callable
 
 import keras
@@ -73,10 +72,18 @@ def per_label_loss(loss: object) -> tuple[PerLabelLoss, str]:
         raise UsageError(f"loss={loss!r}: expected a Keras loss name, a keras.losses.Loss, or a "
                          "callable (labels, outputs) -> one loss per label")
     if isinstance(resolved, keras.losses.Loss):
-        unreduced = copy.copy(resolved)  # the user's object keeps its own reduction
-        unreduced.reduction = None
-        resolved = unreduced
+        resolved = unreduced_copy(resolved)
     return resolved, label
+
+
+def unreduced_copy(loss: keras.losses.Loss) -> keras.losses.Loss:
+    """A shallow copy of `loss` with reduction none, its call and attributes the user's own; the
+    user's object keeps its reduction. Not `copy.copy`: Keras pickles a Loss through its config,
+    which remakes the user's class only if it is registered and its get_config is complete."""
+    unreduced = object.__new__(type(loss))
+    unreduced.__dict__.update(vars(loss))
+    unreduced.reduction = None
+    return unreduced
 
 
 def check_network(network: keras.Model, what: str, config) -> None:

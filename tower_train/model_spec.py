@@ -251,6 +251,7 @@ def build_model(spec: ModelSpec, source: Source, config: TrainConfig,
                          "(BatchNormalization) or random state (Dropout), which CentralStorageStrategy "
                          f"cannot update from its replicas; use --mode={keeping}")
     if training:
+        warn_of_unused_overrides(what, model, loss_name)
         check_training_pass(what, model, example, labels)
     if config.recompute and model.adds_batch_losses:
         raise UsageError(f"--recompute: {what} adds losses of the batch through Keras (add_loss, "
@@ -267,6 +268,21 @@ def check_logits(label: str, logits: tf.Tensor, source: Source) -> None:
     if shape[:-1] != labels or len(shape) != len(labels) + 1 or shape[-1] < source.num_classes:
         raise UsageError(f"{label}: its logits are {shape} for labels {labels} in "
                          f"0..{source.num_classes - 1} of {source.name}; they must be {wanted}")
+
+
+# What keras.Model.fit and evaluate would call, and tower-train never does.
+_FIT_STEPS = ("train_step", "compute_loss", "test_step")
+
+
+def warn_of_unused_overrides(what: str, model: TowerModel, loss_name: str) -> None:
+    """Names, in one warning, the methods of Keras's fit and evaluate that the user's network
+    overrides: tower-train runs its own update and evaluation, so they would be ignored silently."""
+    network = model.network if isinstance(model, KerasModel) else model
+    overridden = [name for name in _FIT_STEPS if getattr(type(network), name) is not getattr(keras.Model, name)]
+    if overridden:
+        logging.warning("%s: overrides keras.Model's %s, which tower-train never calls: its updates and "
+                        "held-out evaluations run the model's call() and %s per label, the update rule "
+                        "of docs/gradient-math.md", what, ", ".join(overridden), loss_name)
 
 
 def check_training_pass(what: str, model: TowerModel, example: tf.Tensor, labels: tf.Tensor) -> None:

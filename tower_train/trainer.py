@@ -59,6 +59,10 @@ class TrainResult:
     model: keras.Model
     # This call's logged quantities, a list per key, as Keras's History.history (progress.py).
     history: dict[str, list[float]]
+    # The callback whose on_train_end set the weights `model` and the eval_ fields are of
+    # (EarlyStopping(restore_best_weights=True) restoring its best), which then differ from
+    # those of update `step` that `checkpoint` and the export hold; None when they are the same.
+    weights_written_by: str | None = None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -81,6 +85,14 @@ class Hook(Protocol):
     def after_update(self, event: UpdateEvent) -> None: ...
 
     def close(self) -> None: ...
+
+
+class _InputFailed(Exception):
+    """An op error raised while the input pipeline made the next micro-batch, not by the update."""
+
+    def __init__(self, error: tf.errors.OpError):
+        super().__init__(error.message)
+        self.error = error
 
 
 class Controller:
@@ -132,8 +144,13 @@ class Controller:
                 with self.watchdog.local_work() if tracing else contextlib.nullcontext():
                     result = self.inner.run_update(self._noted(_value(self.state.step) + 1, start))
                 tracing = False
+            except _InputFailed as failed:
+                # A malformed, corrupted or deleted file; the user's map or py_function raising.
+                raise TrainingError(f"update {_value(self.state.step) + 1} failed in the input "
+                                    f"pipeline: {self.describe_error(failed.error)}; the last good "
+                                    f"checkpoint is {self.last_checkpoint or 'none'}") from None
             except RUN_OP_ERRORS as e:
-                # A malformed, corrupted or deleted file, a label out of range, a model's assertion.
+                # A label out of range, a model's assertion.
                 raise TrainingError(f"update {_value(self.state.step) + 1} failed: "
                                     f"{self.describe_error(e)}; the last good checkpoint is "
                                     f"{self.last_checkpoint or 'none'}") from None
@@ -194,7 +211,11 @@ class Controller:
                          self.config.accum, now - start)
                 note_at = now + LONG_UPDATE_NOTE
             self.watchdog.progress()
-            yield next(self.batches)
+            try:
+                batch = next(self.batches)
+            except tf.errors.OpError as e:  # of any kind: a py_function's own error is UnknownError
+                raise _InputFailed(e) from e
+            yield batch
 
     def _save(self, step: int) -> None:
         self.inner.sync_state()
@@ -383,8 +404,19 @@ def _train(config: TrainConfig, spec: ModelSpec, source: Source, mode: Mode, wat
     # A callback can stop the run right after the hook evaluated.
     if evaluation.precision is not None and history["val_step"][-1:] != [step]:
         record_evaluation(history, step, evaluation)
+    weights_written_by = None
     if keras_callbacks is not None:
         controller.call_callbacks(keras_callbacks.train_end)
+        weights_written_by = keras_callbacks.weights_written_by
+    if weights_written_by:  # the result's evaluation is of the weights the result hands back
+        with watchdog.local_work():
+            evaluation = evaluate(state.model, source, config.eval_batch_size, plan.tower_devices,
+                                  metrics)
+        holders = [(controller.last_checkpoint if worker.is_chief else None) or "the last checkpoint"]
+        holders += ["the export"] if config.export_dir and worker.is_chief else []
+        log("%s set the weights: TrainResult.model and its held-out evaluation are of them, not of "
+            "update %d, which %s %s", weights_written_by, step, " and ".join(holders),
+            "hold" if len(holders) > 1 else "holds")
     trained = "" if loss is None else f", loss = {loss:.4f}"
     held_out = ("no held-out examples" if evaluation.precision is None
                 else f"held-out {evaluation.describe()} ({evaluation.examples} examples)")
@@ -393,7 +425,8 @@ def _train(config: TrainConfig, spec: ModelSpec, source: Source, mode: Mode, wat
                        eval_loss=evaluation.loss, eval_examples=evaluation.examples,
                        eval_metrics=evaluation.metrics,
                        checkpoint=controller.last_checkpoint if worker.is_chief else None,
-                       model=spec.hand_back(state.model), history=history)
+                       model=spec.hand_back(state.model), history=history,
+                       weights_written_by=weights_written_by)
 
 
 def _value(variable: tf.Variable) -> int:
