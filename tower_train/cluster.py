@@ -274,15 +274,18 @@ class PeerWatchdog(PeerClock):
         stderr_read, stderr_write = os.pipe()
         self._local_depth = 0
         self._pid = os.fork()
-        if self._pid == 0:  # the child: never returns
-            os.close(self._write_end)
-            os.close(stderr_write)
-            # A stop signal to the whole process group is the worker's to handle; the child
-            # ends when the worker closes the pipe.
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
-            code = _watch(read_end, stderr_read, os.getppid(), worker, timeout, prog)
-            os._exit(code)
+        if self._pid == 0:  # the child: never returns, not even by an error, into the worker's code
+            code = 1
+            try:
+                os.close(self._write_end)
+                os.close(stderr_write)
+                # A stop signal to the whole process group is the worker's to handle; the child
+                # ends when the worker closes the pipe.
+                signal.signal(signal.SIGTERM, signal.SIG_IGN)
+                signal.signal(signal.SIGINT, signal.SIG_IGN)
+                code = _watch(read_end, stderr_read, os.getppid(), worker, timeout, prog)
+            finally:
+                os._exit(code)
         os.close(read_end)
         os.close(stderr_read)
         sys.stderr.flush()
@@ -330,8 +333,8 @@ def _watch(clock: int, stderr: int, worker_pid: int, worker: WorkerInfo, timeout
         ready, _, _ = select.select(open_fds, [], [], wait)
         if not ready:
             filtered.flush()
-            print(f"{prog}: [{worker.name}] no progress for {timeout:g} s while waiting on the peers "
-                  f"(--collective_timeout): {peer_trouble(worker)}", file=sys.stderr, flush=True)
+            _write_stderr(f"{prog}: [{worker.name}] no progress for {timeout:g} s while waiting on the "
+                          f"peers (--collective_timeout): {peer_trouble(worker)}\n".encode())
             os.kill(worker_pid, signal.SIGKILL)
             return 1
         for fd in ready:
@@ -345,6 +348,13 @@ def _watch(clock: int, stderr: int, worker_pid: int, worker: WorkerInfo, timeout
                 deadline = time.monotonic() + timeout
     filtered.flush()
     return 0
+
+
+def _write_stderr(data: bytes) -> None:
+    try:
+        os.write(2, data)
+    except BrokenPipeError:
+        pass  # no one reads the worker's output any more (its launcher died): the worker goes on
 
 
 class _NativeLineFilter:
@@ -366,7 +376,7 @@ class _NativeLineFilter:
                 self._dropping = False
                 kept.append(line + b"\n")
         if kept:
-            os.write(2, b"".join(kept))
+            _write_stderr(b"".join(kept))
 
     def flush(self) -> None:
         if self._pending:

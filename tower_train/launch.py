@@ -11,7 +11,8 @@ the chief only), and waits for all of them:
 - A worker that fails leaves the others to their own lost-peer handling (TF's collective timeout
   and the watchdog, both --collective_timeout); whichever still run --collective_timeout + 10 s
   later are killed. A worker refusing its input (status 2) ends the others at once.
-- If the launcher itself dies, by any signal, every worker gets SIGTERM (on Linux).
+- If the launcher itself dies, by any signal and at any time, every worker gets SIGHUP (on Linux):
+  one that trains stops after the current update and saves, one that starts ends at once.
 - The exit status is the highest of the workers' (128 + n for a worker ended by signal n),
   leaving out those the launcher killed after another failed; one last line says how they ended.
 
@@ -57,6 +58,7 @@ LOST_PEER_MARGIN = 10.0
 _PROGRESS_LINE = re.compile(rb"\[worker \d+/\d+\] step \d+, loss = ")
 _FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
+_PARENT_DEATH_SIGNAL = signal.SIGHUP
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,15 +140,18 @@ def gpus_of_worker(index: int, per_worker: int, visible: str | None) -> str:
 
 def _stop_when_the_launcher_dies(launcher: int) -> Callable[[], None] | None:
     """What a worker runs before it starts, on Linux: the launcher's death, however it comes
-    (SIGKILL included), sends the worker SIGTERM, which stops it as a stop signal does, rather
-    than leaving it to train with no one to watch it."""
+    (SIGKILL included), sends the worker SIGHUP rather than leaving it to train with no one to
+    watch it. SIGHUP, not SIGTERM: from the moment TensorFlow loads until the run's stop handlers
+    are in place (the strategy's start-up, building, restoring), TensorFlow's coordination
+    service holds SIGTERM and drops it, while SIGHUP is one of the run's stop signals and ends a
+    worker that is not yet listening for it."""
     if not sys.platform.startswith("linux"):
         return None
 
     def stop_with_the_parent() -> None:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, _PARENT_DEATH_SIGNAL)
         if os.getppid() != launcher:  # it died before the line above
-            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), _PARENT_DEATH_SIGNAL)
 
     return stop_with_the_parent
 
