@@ -38,7 +38,8 @@ def test_tasks_per_node_expand_as_tensorflows_resolver_expands_them(per_node):
 def test_a_slurm_task_is_the_worker_its_procid_says_with_every_other_task_as_a_peer():
     # Nodes in sorted order, a node's tasks on consecutive ports from the base.
     env = slurm_env(2, nodes="b,a", per_node="1,2", tasks=3, TOWER_TRAIN_SLURM_PORT="5000")
-    assert parse_slurm(env) == WorkerInfo(2, 3, False, ("a:5000", "a:5001"), slurm_port=5000)
+    assert parse_slurm(env) == WorkerInfo(2, 3, False, ("a:5000", "a:5001"), slurm_port=5000,
+                                        address="b:5000")
     assert parse_slurm(slurm_env(0)).is_chief and parse_slurm(slurm_env(0)).slurm_port == 8888
 
 
@@ -114,7 +115,8 @@ def test_the_start_up_script_writes_each_indexed_pods_tf_config():
     workers = ["tower-train-0.tower-train-workers:2222", "tower-train-1.tower-train-workers:2222"]
     assert seen == [{"cluster": {"worker": workers}, "task": {"type": "worker", "index": i}}
                     for i in (0, 1)]
-    assert parse_tf_config(json.dumps(seen[1])) == WorkerInfo(1, 2, False, (workers[0],))
+    assert parse_tf_config(json.dumps(seen[1])) == WorkerInfo(1, 2, False, (workers[0],),
+                                                              address=workers[1])
 
 
 def test_the_tfjob_has_what_the_training_operator_requires():
@@ -165,6 +167,18 @@ def check_shared_train_dir(pod, container):
     flags = dict(arg.split("=", 1) for arg in container["command"] if arg.startswith("--") and "=" in arg)
     assert flags["--train_dir"].startswith(mount["mountPath"] + "/")
     assert pod["terminationGracePeriodSeconds"] > float(flags["--stop_grace_period"])
+
+
+def test_a_port_is_free_to_a_server_unless_another_process_holds_it():
+    with socket.create_server(("127.0.0.1", 0)) as taken:  # any address, IPv4 or IPv6, counts
+        assert cluster.why_not_listening(taken.getsockname()[1]) == "in use by another process"
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = server.getsockname()[1]
+        client = socket.create_connection(("127.0.0.1", port))
+        accepted, _ = server.accept()
+        accepted.close()  # closed first: the server's side of the port waits in TIME_WAIT
+        client.close()
+    assert cluster.why_not_listening(port) is None  # as an earlier run on the same --port leaves it
 
 
 def test_a_peer_whose_port_closes_just_after_its_connections_broke_is_still_blamed():

@@ -1,5 +1,6 @@
 """`python -m tower_train.launch`: N multi_worker workers on this machine in one command; and an srun
 step's two tasks, simulated on this machine, against it."""
+import io
 import os
 import re
 import signal
@@ -11,8 +12,9 @@ import time
 import numpy as np
 import pytest
 
+from tower_train import cluster
+from tower_train.launch import gpus_of_worker, launch
 from tower_train.run_dir import TrainDirLock
-from tower_train.launch import gpus_of_worker
 from helpers import read_until
 from test_cli_errors import ROOT
 from test_train import checkpoint_values
@@ -73,6 +75,34 @@ def test_a_worker_refusing_its_input_ends_the_launcher_at_once(tmp_path):
         "tower_train.launch: worker 0/2 failed first, with exit status 2: bad input (its line above); "
         "the others were killed at once"), output
     assert "Traceback" not in output
+
+
+@pytest.mark.cpu_only
+def test_a_busy_port_is_one_line_naming_it_before_the_workers_start_or_from_one(tmp_path, monkeypatch):
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        early = subprocess.run([sys.executable, "-m", "tower_train.launch", "--workers=2",
+                                f"--port={port - 1}", "--", "--num_gpus=1", f"--train_dir={tmp_path}"],
+                               cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert (early.returncode, early.stderr) == (2, (
+            f"tower_train: error: --port={port - 1}: port {port}, worker 1's, is in use by another "
+            "process; choose another --port, or leave it out for ports the system reports free\n"))
+
+        # Taken after the launcher's look (another process was quicker): the worker says so in
+        # one line, and the launcher ends the other at once, not after --collective_timeout.
+        monkeypatch.setattr(cluster, "why_not_listening", lambda port: None)
+        output = io.BytesIO()
+        start = time.monotonic()
+        result = launch(2, ["--num_gpus=1", "--collective_timeout=30", f"--train_dir={tmp_path}"],
+                        port=port, output=output)
+    seconds, lines = time.monotonic() - start, output.getvalue().decode().splitlines()
+    assert result.status == 2 and "Traceback" not in output.getvalue().decode(), lines
+    assert f"[worker 0/2] tower_train: error: cannot listen on port {port}, of its address " \
+           f"127.0.0.1:{port} (TF_CONFIG): the port is in use by another process; give the workers " \
+           "free ports" in lines, lines
+    assert result.summary.startswith("worker 0/2 failed first, with exit status 2: bad input (its line "
+                                     "above); the others were killed at once"), result.summary
+    assert seconds < 60, seconds  # the issue's bound; --collective_timeout + 10 s would be 40 s
 
 
 def free_consecutive_ports(count):

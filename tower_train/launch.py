@@ -36,7 +36,7 @@ from typing import BinaryIO, Callable, Sequence
 
 from absl import flags
 
-from tower_train import cli
+from tower_train import cli, cluster
 from tower_train import flags as tt_flags
 from tower_train.config import WORKERS_MODE, TrainConfig
 from tower_train.errors import UsageError
@@ -91,7 +91,11 @@ def check_training_flags(args: Sequence[str]) -> TrainConfig:
 
 
 def loopback_addresses(workers: int, port: int | None) -> list[str]:
-    """127.0.0.1:port+i for worker i; without a port, ports the system reports free."""
+    """127.0.0.1:port+i for worker i; without a port, ports the system reports free.
+
+    Raises UsageError for a bad count or port, or a port no worker could listen on (another
+    process holds it): found here, before any worker starts, rather than by a worker's failure.
+    """
     if workers < 1:
         raise UsageError(f"--workers={workers}: must be a whole number >= 1")
     if port is None:
@@ -106,6 +110,11 @@ def loopback_addresses(workers: int, port: int | None) -> list[str]:
     if not 1 <= port <= 65536 - workers:
         raise UsageError(f"--port={port}: must be in 1..{65536 - workers}, so that the {workers} "
                          "worker(s) listen on it and the ports after it")
+    for index in range(workers):
+        refusal = cluster.why_not_listening(port + index)
+        if refusal is not None:
+            raise UsageError(f"--port={port}: port {port + index}, worker {index}'s, is {refusal}; "
+                             "choose another --port, or leave it out for ports the system reports free")
     return [f"127.0.0.1:{port + i}" for i in range(workers)]
 
 
