@@ -38,7 +38,8 @@ def test_tasks_per_node_expand_as_tensorflows_resolver_expands_them(per_node):
 def test_a_slurm_task_is_the_worker_its_procid_says_with_every_other_task_as_a_peer():
     # Nodes in sorted order, a node's tasks on consecutive ports from the base.
     env = slurm_env(2, nodes="b,a", per_node="1,2", tasks=3, TOWER_TRAIN_SLURM_PORT="5000")
-    assert parse_slurm(env) == WorkerInfo(2, 3, False, ("a:5000", "a:5001"), slurm_port=5000)
+    assert parse_slurm(env) == WorkerInfo(2, 3, False, ("a:5000", "a:5001"), slurm_port=5000,
+                                        address="b:5000")
     assert parse_slurm(slurm_env(0)).is_chief and parse_slurm(slurm_env(0)).slurm_port == 8888
 
 
@@ -114,7 +115,8 @@ def test_the_start_up_script_writes_each_indexed_pods_tf_config():
     workers = ["tower-train-0.tower-train-workers:2222", "tower-train-1.tower-train-workers:2222"]
     assert seen == [{"cluster": {"worker": workers}, "task": {"type": "worker", "index": i}}
                     for i in (0, 1)]
-    assert parse_tf_config(json.dumps(seen[1])) == WorkerInfo(1, 2, False, (workers[0],))
+    assert parse_tf_config(json.dumps(seen[1])) == WorkerInfo(1, 2, False, (workers[0],),
+                                                              address=workers[1])
 
 
 def test_the_tfjob_has_what_the_training_operator_requires():
@@ -167,9 +169,47 @@ def check_shared_train_dir(pod, container):
     assert pod["terminationGracePeriodSeconds"] > float(flags["--stop_grace_period"])
 
 
+def test_a_port_is_free_to_a_server_unless_another_process_holds_it():
+    with socket.create_server(("127.0.0.1", 0)) as taken:  # any address, IPv4 or IPv6, counts
+        assert cluster.why_not_listening(taken.getsockname()[1]) == "in use by another process"
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = server.getsockname()[1]
+        client = socket.create_connection(("127.0.0.1", port))
+        accepted, _ = server.accept()
+        accepted.close()  # closed first: the server's side of the port waits in TIME_WAIT
+        client.close()
+    assert cluster.why_not_listening(port) is None  # as an earlier run on the same --port leaves it
+
+
 def test_a_peer_whose_port_closes_just_after_its_connections_broke_is_still_blamed():
     listening = socket.create_server(("127.0.0.1", 0))
     address = f"127.0.0.1:{listening.getsockname()[1]}"
     threading.Timer(0.5, listening.close).start()  # a killed peer's port outlives its connections
     assert cluster.peer_trouble(WorkerInfo(index=0, count=2, is_chief=True, peers=(address,))) == (
         f"peer(s) {address} not reachable (never started, or died)")
+
+
+def test_the_watchdog_carries_a_workers_stderr_on_when_no_one_reads_it():
+    """A launcher that dies leaves its workers' output with no reader: the watchdog's child drops
+    the lines it carries, rather than failing and returning, a second copy of the worker, into
+    the worker's code (and leaving the worker's own writes to fail)."""
+    script = """if True:
+        import os, sys, time
+        from tower_train import cluster
+        try:
+            watchdog = cluster.PeerWatchdog(cluster.WorkerInfo(0, 2, True, ("127.0.0.1:1",)), 60, "t")
+        except BaseException as e:
+            print(f"{os.getpid()} returned from the watchdog's start: {e!r}", flush=True)
+            raise
+        for _ in range(3):
+            print("a line no one reads", file=sys.stderr, flush=True)
+            time.sleep(0.1)
+        watchdog.stop()
+        print("done", flush=True)
+    """
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader is gone before the worker starts
+    result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, stderr=write_end,
+                            stdout=subprocess.PIPE, text=True, timeout=60)
+    os.close(write_end)
+    assert (result.returncode, result.stdout) == (0, "done\n")

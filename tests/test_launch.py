@@ -1,5 +1,6 @@
 """`python -m tower_train.launch`: N multi_worker workers on this machine in one command; and an srun
 step's two tasks, simulated on this machine, against it."""
+import io
 import os
 import re
 import signal
@@ -11,8 +12,9 @@ import time
 import numpy as np
 import pytest
 
+from tower_train import cluster
+from tower_train.launch import gpus_of_worker, launch
 from tower_train.run_dir import TrainDirLock
-from tower_train.launch import gpus_of_worker
 from helpers import read_until
 from test_cli_errors import ROOT
 from test_train import checkpoint_values
@@ -73,6 +75,34 @@ def test_a_worker_refusing_its_input_ends_the_launcher_at_once(tmp_path):
         "tower_train.launch: worker 0/2 failed first, with exit status 2: bad input (its line above); "
         "the others were killed at once"), output
     assert "Traceback" not in output
+
+
+@pytest.mark.cpu_only
+def test_a_busy_port_is_one_line_naming_it_before_the_workers_start_or_from_one(tmp_path, monkeypatch):
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        early = subprocess.run([sys.executable, "-m", "tower_train.launch", "--workers=2",
+                                f"--port={port - 1}", "--", "--num_gpus=1", f"--train_dir={tmp_path}"],
+                               cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert (early.returncode, early.stderr) == (2, (
+            f"tower_train: error: --port={port - 1}: port {port}, worker 1's, is in use by another "
+            "process; choose another --port, or leave it out for ports the system reports free\n"))
+
+        # Taken after the launcher's look (another process was quicker): the worker says so in
+        # one line, and the launcher ends the other at once, not after --collective_timeout.
+        monkeypatch.setattr(cluster, "why_not_listening", lambda port: None)
+        output = io.BytesIO()
+        start = time.monotonic()
+        result = launch(2, ["--num_gpus=1", "--collective_timeout=30", f"--train_dir={tmp_path}"],
+                        port=port, output=output)
+    seconds, lines = time.monotonic() - start, output.getvalue().decode().splitlines()
+    assert result.status == 2 and "Traceback" not in output.getvalue().decode(), lines
+    assert f"[worker 0/2] tower_train: error: cannot listen on port {port}, of its address " \
+           f"127.0.0.1:{port} (TF_CONFIG): the port is in use by another process; give the workers " \
+           "free ports" in lines, lines
+    assert result.summary.startswith("worker 0/2 failed first, with exit status 2: bad input (its line "
+                                     "above); the others were killed at once"), result.summary
+    assert seconds < 60, seconds  # the issue's bound; --collective_timeout + 10 s would be 40 s
 
 
 def free_consecutive_ports(count):
@@ -165,6 +195,88 @@ def test_sigterm_to_the_launcher_stops_both_workers_saved_and_the_same_command_r
     assert again.returncode == 0, output
     assert re.search(rf"\[worker 0/2\] .* resumed from .*ckpt-{step} at step {step}\n", output), output
     assert re.search(r"\[worker 0/2\] .* done: step 60,", output)
+
+
+def launched_processes(pid):
+    """`pid`'s descendants, each as (pid, start time): a pid the system reuses is another process."""
+    children = {}
+    for entry in os.listdir("/proc"):
+        stat = process_stat(int(entry)) if entry.isdigit() else None
+        if stat is not None:
+            children.setdefault(int(stat[1]), []).append((int(entry), stat[19]))
+    found, queue = [], [pid]
+    while queue:
+        for child in children.get(queue.pop(), []):
+            found.append(child)
+            queue.append(child[0])
+    return found
+
+
+def process_stat(pid):
+    """/proc/pid/stat's fields from the state on (state, ppid, ...), or None once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+
+
+def still_running(processes):
+    """Those of `processes` that have neither ended nor become a zombie."""
+    return [(pid, started) for pid, started in processes
+            if (stat := process_stat(pid)) is not None and stat[19] == started and stat[0] != "Z"]
+
+
+def caught_signals(pid):
+    """The signals `pid` has a handler for (/proc's SigCgt); None once it has exited."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            mask = int(re.search(r"^SigCgt:\s*([0-9a-f]+)$", f.read(), re.M)[1], 16)
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    return {number for number in range(1, 65) if mask >> (number - 1) & 1}
+
+
+@pytest.mark.cpu_only
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux's parent-death signal")
+@pytest.mark.parametrize("phase", ["start-up", "set-up", "training"])
+def test_no_worker_outlives_a_launcher_killed_in_any_phase(tmp_path, phase):
+    """SIGKILL of the launcher while the workers start (Python loading, before TensorFlow), while
+    TensorFlow holds SIGTERM and the run's stop handlers are not yet in place (the strategy's
+    start-up, building, restoring: workers that got SIGTERM there trained on unattended), and
+    mid-training, where they stop after the same update, saved."""
+    launcher = start_launcher("--workers=2", "--", "--num_gpus=1", "--batch_size=16",
+                              "--max_steps=100000", "--log_every=1", "--collective_timeout=60",
+                              f"--train_dir={tmp_path}")
+    seen = read_until(launcher, "started worker", timeout=60)  # the line is one write
+    workers = [worker_pid(seen, i) for i in (0, 1)]
+    if phase == "start-up":
+        assert all(signal.SIGTERM not in (caught_signals(pid) or set()) for pid in workers), "TF loaded"
+    elif phase == "set-up":
+        deadline = time.monotonic() + 240
+        while True:
+            caught = [caught_signals(pid) for pid in workers]
+            assert None not in caught, seen + finish(launcher, timeout=60)
+            if all(signal.SIGTERM in c for c in caught):
+                break
+            assert time.monotonic() < deadline, "no worker loaded TensorFlow within 240 s"
+            time.sleep(0.02)
+        assert not any(signal.SIGHUP in c for c in caught), "the run's stop handlers were in place"
+    else:
+        seen += read_until(launcher, "step 3,", timeout=240)
+    processes = launched_processes(launcher.pid)
+    launcher.kill()
+    launcher.communicate(timeout=60)
+    deadline = time.monotonic() + 30
+    while still_running(processes) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = still_running(processes)
+    for pid, _ in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"{phase}: still running 30 s after the launcher was killed: {left}"
+    if phase == "training":  # both stopped after the same update, and the chief saved it
+        saved = [int(m[1]) for m in map(re.compile(r"ckpt-(\d+)\.index$").match, os.listdir(tmp_path)) if m]
+        assert saved and max(saved) >= 3, os.listdir(tmp_path)
 
 
 @pytest.mark.cpu_only

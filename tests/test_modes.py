@@ -25,11 +25,12 @@ def worker_config(workers, index, chief=False):
 
 
 def test_tf_config_gives_index_count_chief_and_peers():
-    assert parse_tf_config(worker_config(["a:1", "b:2"], 1)) == WorkerInfo(1, 2, False, ("a:1",))
+    assert parse_tf_config(worker_config(["a:1", "b:2"], 1)) == WorkerInfo(1, 2, False, ("a:1",),
+                                                                           address="b:2")
     assert parse_tf_config(worker_config(["a:1", "b:2"], 0)).is_chief
     with_chief = json.dumps({"cluster": {"chief": ["c:0"], "worker": ["a:1"]},
                              "task": {"type": "worker", "index": 0}})
-    assert parse_tf_config(with_chief) == WorkerInfo(1, 2, False, ("c:0",))
+    assert parse_tf_config(with_chief) == WorkerInfo(1, 2, False, ("c:0",), address="a:1")
 
 
 @pytest.mark.parametrize("text,expected", [

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import json
 import os
 import re
@@ -28,6 +29,7 @@ class WorkerInfo:
     is_chief: bool = True
     peers: tuple[str, ...] = ()  # "host:port" of every other task, in cluster order
     slurm_port: int | None = None  # the cluster is an srun step's, its ports from this; None: TF_CONFIG's
+    address: str = ""  # "host:port" this worker's server listens on; "" outside a cluster
 
     @property
     def name(self) -> str:
@@ -87,7 +89,7 @@ def parse_tf_config(text: str | None) -> WorkerInfo:
     global_index = index if task_type == "chief" else index + len(cluster.get("chief", []))
     is_chief = task_type == "chief" or ("chief" not in cluster and index == 0)
     peers = tuple(a for i, a in enumerate(addresses) if i != global_index)
-    return WorkerInfo(global_index, len(addresses), is_chief, peers)
+    return WorkerInfo(global_index, len(addresses), is_chief, peers, address=addresses[global_index])
 
 
 def parse_slurm(environ: Mapping[str, str]) -> WorkerInfo:
@@ -122,7 +124,7 @@ def parse_slurm(environ: Mapping[str, str]) -> WorkerInfo:
     addresses = [f"{node}:{port + k}" for node, count in sorted(zip(nodes, per_node))
                  for k in range(count)]
     return WorkerInfo(rank, tasks, rank == 0, tuple(a for i, a in enumerate(addresses) if i != rank),
-                      slurm_port=port)
+                      slurm_port=port, address=addresses[rank])
 
 
 def _slurm_variable(environ: Mapping[str, str], name: str) -> str:
@@ -197,6 +199,46 @@ def strategy_resolver(worker: WorkerInfo, gpus: int):
                             f"{list(worker.peers)}: refusing to train with the two at odds")
     return resolver_module.SimpleClusterResolver(spec, task_type="worker", task_id=task_id,
                                                  num_accelerators={"GPU": gpus}, rpc_layer="grpc")
+
+
+def why_not_listening(port: int) -> str | None:
+    """Why no server could listen on `port` of this machine ("in use by another process"), or None
+    if one could. Tried as TensorFlow's gRPC server binds: every address, IPv6 and IPv4 together
+    where the machine has IPv6; a port that an earlier run's connections left in TIME_WAIT is free
+    to it (SO_REUSEADDR)."""
+    try:
+        probe = socket.socket(socket.AF_INET6)
+    except OSError:  # no IPv6 here: the server binds IPv4 alone
+        probe = socket.socket(socket.AF_INET)
+    with probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if probe.family == socket.AF_INET6:
+            probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        try:
+            probe.bind(("::" if probe.family == socket.AF_INET6 else "0.0.0.0", port))
+        except OSError as e:
+            return "in use by another process" if e.errno == errno.EADDRINUSE else e.strerror.lower()
+    return None
+
+
+@contextlib.contextmanager
+def server_start(worker: WorkerInfo) -> Iterator[None]:
+    """Around the multi-worker strategy's start: TensorFlow's bare `Could not start gRPC server`
+    (a traceback that names no port) becomes one UsageError line naming this worker's port."""
+    import tensorflow as tf
+
+    try:
+        yield
+    except tf.errors.UnknownError as e:
+        if "Could not start gRPC server" not in str(e):
+            raise
+        port = int(worker.address.rpartition(":")[2])
+        where = ("TF_CONFIG" if worker.slurm_port is None
+                 else f"from {SLURM_PORT_VARIABLE}={worker.slurm_port}")
+        reason = why_not_listening(port) or "free now, yet TensorFlow's gRPC server could not listen on it"
+        raise UsageError(f"[{worker.name}] cannot listen on port {port}, of its address "
+                         f"{worker.address} ({where}): the port is {reason}; give the workers free "
+                         "ports") from None
 
 
 def unreachable(addresses: tuple[str, ...], timeout: float = 1.0) -> list[str]:
@@ -274,15 +316,18 @@ class PeerWatchdog(PeerClock):
         stderr_read, stderr_write = os.pipe()
         self._local_depth = 0
         self._pid = os.fork()
-        if self._pid == 0:  # the child: never returns
-            os.close(self._write_end)
-            os.close(stderr_write)
-            # A stop signal to the whole process group is the worker's to handle; the child
-            # ends when the worker closes the pipe.
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
-            code = _watch(read_end, stderr_read, os.getppid(), worker, timeout, prog)
-            os._exit(code)
+        if self._pid == 0:  # the child: never returns, not even by an error, into the worker's code
+            code = 1
+            try:
+                os.close(self._write_end)
+                os.close(stderr_write)
+                # A stop signal to the whole process group is the worker's to handle; the child
+                # ends when the worker closes the pipe.
+                signal.signal(signal.SIGTERM, signal.SIG_IGN)
+                signal.signal(signal.SIGINT, signal.SIG_IGN)
+                code = _watch(read_end, stderr_read, os.getppid(), worker, timeout, prog)
+            finally:
+                os._exit(code)
         os.close(read_end)
         os.close(stderr_read)
         sys.stderr.flush()
@@ -330,8 +375,8 @@ def _watch(clock: int, stderr: int, worker_pid: int, worker: WorkerInfo, timeout
         ready, _, _ = select.select(open_fds, [], [], wait)
         if not ready:
             filtered.flush()
-            print(f"{prog}: [{worker.name}] no progress for {timeout:g} s while waiting on the peers "
-                  f"(--collective_timeout): {peer_trouble(worker)}", file=sys.stderr, flush=True)
+            _write_stderr(f"{prog}: [{worker.name}] no progress for {timeout:g} s while waiting on the "
+                          f"peers (--collective_timeout): {peer_trouble(worker)}\n".encode())
             os.kill(worker_pid, signal.SIGKILL)
             return 1
         for fd in ready:
@@ -345,6 +390,13 @@ def _watch(clock: int, stderr: int, worker_pid: int, worker: WorkerInfo, timeout
                 deadline = time.monotonic() + timeout
     filtered.flush()
     return 0
+
+
+def _write_stderr(data: bytes) -> None:
+    try:
+        os.write(2, data)
+    except BrokenPipeError:
+        pass  # no one reads the worker's output any more (its launcher died): the worker goes on
 
 
 class _NativeLineFilter:
@@ -366,7 +418,7 @@ class _NativeLineFilter:
                 self._dropping = False
                 kept.append(line + b"\n")
         if kept:
-            os.write(2, b"".join(kept))
+            _write_stderr(b"".join(kept))
 
     def flush(self) -> None:
         if self._pending:

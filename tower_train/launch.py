@@ -11,7 +11,8 @@ the chief only), and waits for all of them:
 - A worker that fails leaves the others to their own lost-peer handling (TF's collective timeout
   and the watchdog, both --collective_timeout); whichever still run --collective_timeout + 10 s
   later are killed. A worker refusing its input (status 2) ends the others at once.
-- If the launcher itself dies, by any signal, every worker gets SIGTERM (on Linux).
+- If the launcher itself dies, by any signal and at any time, every worker gets SIGHUP (on Linux):
+  one that trains stops after the current update and saves, one that starts ends at once.
 - The exit status is the highest of the workers' (128 + n for a worker ended by signal n),
   leaving out those the launcher killed after another failed; one last line says how they ended.
 
@@ -35,7 +36,7 @@ from typing import BinaryIO, Callable, Sequence
 
 from absl import flags
 
-from tower_train import cli
+from tower_train import cli, cluster
 from tower_train import flags as tt_flags
 from tower_train.config import WORKERS_MODE, TrainConfig
 from tower_train.errors import UsageError
@@ -57,6 +58,7 @@ LOST_PEER_MARGIN = 10.0
 _PROGRESS_LINE = re.compile(rb"\[worker \d+/\d+\] step \d+, loss = ")
 _FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
+_PARENT_DEATH_SIGNAL = signal.SIGHUP
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,7 +91,11 @@ def check_training_flags(args: Sequence[str]) -> TrainConfig:
 
 
 def loopback_addresses(workers: int, port: int | None) -> list[str]:
-    """127.0.0.1:port+i for worker i; without a port, ports the system reports free."""
+    """127.0.0.1:port+i for worker i; without a port, ports the system reports free.
+
+    Raises UsageError for a bad count or port, or a port no worker could listen on (another
+    process holds it): found here, before any worker starts, rather than by a worker's failure.
+    """
     if workers < 1:
         raise UsageError(f"--workers={workers}: must be a whole number >= 1")
     if port is None:
@@ -104,6 +110,11 @@ def loopback_addresses(workers: int, port: int | None) -> list[str]:
     if not 1 <= port <= 65536 - workers:
         raise UsageError(f"--port={port}: must be in 1..{65536 - workers}, so that the {workers} "
                          "worker(s) listen on it and the ports after it")
+    for index in range(workers):
+        refusal = cluster.why_not_listening(port + index)
+        if refusal is not None:
+            raise UsageError(f"--port={port}: port {port + index}, worker {index}'s, is {refusal}; "
+                             "choose another --port, or leave it out for ports the system reports free")
     return [f"127.0.0.1:{port + i}" for i in range(workers)]
 
 
@@ -138,15 +149,18 @@ def gpus_of_worker(index: int, per_worker: int, visible: str | None) -> str:
 
 def _stop_when_the_launcher_dies(launcher: int) -> Callable[[], None] | None:
     """What a worker runs before it starts, on Linux: the launcher's death, however it comes
-    (SIGKILL included), sends the worker SIGTERM, which stops it as a stop signal does, rather
-    than leaving it to train with no one to watch it."""
+    (SIGKILL included), sends the worker SIGHUP rather than leaving it to train with no one to
+    watch it. SIGHUP, not SIGTERM: from the moment TensorFlow loads until the run's stop handlers
+    are in place (the strategy's start-up, building, restoring), TensorFlow's coordination
+    service holds SIGTERM and drops it, while SIGHUP is one of the run's stop signals and ends a
+    worker that is not yet listening for it."""
     if not sys.platform.startswith("linux"):
         return None
 
     def stop_with_the_parent() -> None:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, _PARENT_DEATH_SIGNAL)
         if os.getppid() != launcher:  # it died before the line above
-            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), _PARENT_DEATH_SIGNAL)
 
     return stop_with_the_parent
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, ClassVar, ContextManager
 
-from tower_train.cluster import SINGLE_PROCESS, WorkerInfo, strategy_resolver
+from tower_train.cluster import SINGLE_PROCESS, WorkerInfo, server_start, strategy_resolver
 from tower_train.config import DTYPES, MODE_RULES, ModeRules, TrainConfig
 from tower_train.devices import (HOST_DEVICE, DevicePlan, OneDevice, Placement, SpreadPlacement, StrategyPlacement,
                                  device_span, plan_devices)
@@ -228,10 +228,11 @@ class MultiWorkerMode(_StrategyMode):
                           if self.all_reduce == "nccl"
                           else tf.distribute.experimental.CommunicationImplementation.RING)
         gpus = len(self.plan.tower_devices) if self.plan.tower_devices[0].startswith("/gpu") else 0
-        return tf.distribute.MultiWorkerMirroredStrategy(
-            cluster_resolver=strategy_resolver(self.worker, gpus),
-            communication_options=tf.distribute.experimental.CommunicationOptions(
-                implementation=implementation, timeout_seconds=self.config.collective_timeout))
+        with server_start(self.worker):
+            return tf.distribute.MultiWorkerMirroredStrategy(
+                cluster_resolver=strategy_resolver(self.worker, gpus),
+                communication_options=tf.distribute.experimental.CommunicationOptions(
+                    implementation=implementation, timeout_seconds=self.config.collective_timeout))
 
 
 MODES: dict[str, type[Mode]] = {mode.name: mode for mode in (TowerMode, MirroredMode, CentralStorageMode,
