@@ -26,6 +26,8 @@ from tower_train.config import TrainConfig, check_directories
 from tower_train.errors import TrainingError, UsageError
 
 _OPTIONS = tuple(field.name for field in dataclasses.fields(TrainConfig))
+# The options that make the rate of --optimizer's optimizer; an optimizer object has its own.
+_RATE_OPTIONS = ("learning_rate", "lr_schedule", "warmup_steps", "scale_lr")
 
 
 def make_config(options: dict) -> TrainConfig:
@@ -45,6 +47,23 @@ def config_and_objects(model: object, data: object, options: dict) -> tuple[Trai
     if isinstance(data, str):
         options["dataset"], data = data, None
     return make_config(options), model, data
+
+
+def optimizer_object(options: dict) -> object:
+    """The `optimizer` option when it is an object (a Keras optimizer, checked by
+    `model_spec.resolve_model`), taken out of `options`; None when it names one of --optimizer's.
+
+    Raises:
+      UsageError: an option that sets --optimizer's learning rate given beside an object.
+    """
+    if isinstance(options.get("optimizer", ""), str):
+        return None
+    optimizer = options.pop("optimizer")
+    given = [name for name in _RATE_OPTIONS if name in options]
+    if given:
+        raise UsageError(f"{given[0]}=: is for --optimizer's rate; optimizer={type(optimizer).__name__} "
+                         "has its own (give the object its learning rate or schedule)")
+    return optimizer
 
 
 def create_devices(**options) -> None:
@@ -177,7 +196,9 @@ def fit(model: object = None, data: object = None, *, num_classes: int | None = 
       stop: a `tower_train.stop_signals.StopSignals` to stop at an update boundary on SIGTERM,
         SIGINT or SIGHUP (the CLI passes one); None leaves signals alone.
       watchdog: told of progress and of local work (the CLI's multi-worker `PeerWatchdog`).
-      **options: every training option, by its flag's name (see `TrainConfig`).
+      **options: every training option, by its flag's name (see `TrainConfig`); `optimizer`
+        may also be a `keras.optimizers.Optimizer` object (a copy of it trains, with its own
+        rate or schedule and clipping: the learning-rate options are then refused).
 
     Returns:
       A `tower_train.trainer.TrainResult`: step, loss, eval_precision, eval_loss, eval_examples,
@@ -188,6 +209,7 @@ def fit(model: object = None, data: object = None, *, num_classes: int | None = 
       TrainingError: training cannot go on (a non-finite update under --nonfinite=stop, a lost
       peer). Stopped: a stop signal, after saving.
     """
+    optimizer = optimizer_object(options)
     config, model, data = config_and_objects(model, data, options)
     if callbacks is not None:
         from tower_train.callbacks import check_callbacks
@@ -214,12 +236,12 @@ def fit(model: object = None, data: object = None, *, num_classes: int | None = 
 
     # The chief writes the checkpoints, so it holds the train_dir for the whole run.
     with TrainDirLock(config.train_dir) if worker.is_chief else contextlib.nullcontext():
-        return _fit(config, worker, model, loss, data, num_classes, callbacks or [], metrics or [],
-                    stop, watchdog or cluster.PeerClock())
+        return _fit(config, worker, model, loss, optimizer, data, num_classes, callbacks or [],
+                    metrics or [], stop, watchdog or cluster.PeerClock())
 
 
-def _fit(config: TrainConfig, worker, model, loss, data, num_classes, callbacks, metrics, stop,
-         watchdog: cluster.PeerClock):
+def _fit(config: TrainConfig, worker, model, loss, optimizer, data, num_classes, callbacks,
+         metrics, stop, watchdog: cluster.PeerClock):
     """`fit` once the inputs are checked and the train_dir is this run's."""
     plan = prepare_devices(config)
 
@@ -238,7 +260,7 @@ def _fit(config: TrainConfig, worker, model, loss, data, num_classes, callbacks,
             config.dataset, config.data_dir, config.augment)
         source.check()
         check_input_memory(config, source, len(plan.tower_devices))
-        spec = resolve_model(model, config, num_classes, source.num_classes, loss)
+        spec = resolve_model(model, config, num_classes, source.num_classes, loss, optimizer)
     try:
         return trainer.train(config, spec, source, mode, watchdog, stop,
                              live_progress=sys.stderr.isatty(), callbacks=callbacks,

@@ -1,0 +1,85 @@
+"""`tower_train.keras.fit` (tower_train/keras.py): Keras's `Model.fit` arguments on towers. The
+trained weights equal Keras's own `fit` at batch_size x accum from the same initial weights; the
+History, the callbacks' epochs and batches and the learning rate they set; what the model is
+afterwards; bad arguments, one UsageError line each."""
+import keras
+import numpy as np
+import pytest
+
+import tower_train
+import tower_train.keras
+
+N, B, K = 2, 8, 2  # towers, examples per micro-step across them, micro-steps per update
+EXAMPLES, EPOCHS = 64, 2  # 4 updates of B x K = 16 examples per epoch
+LAYOUT = dict(num_gpus=N, accum=K)
+
+
+def dense(inputs, outputs: int, activation: str) -> keras.Model:
+    """A dense network of no BatchNorm and no dropout, whose result Keras's layout cannot change."""
+    hidden = keras.layers.Dense(8, activation="tanh")(
+        keras.layers.Concatenate()(list(inputs.values())) if isinstance(inputs, dict) else inputs)
+    return keras.Model(inputs, keras.layers.Dense(outputs, activation=activation)(hidden))
+
+
+def binary() -> keras.Model:
+    return dense(keras.Input((5,)), 1, "sigmoid")
+
+
+def softmax() -> keras.Model:
+    return dense(keras.Input((5,)), 3, "softmax")
+
+
+def two_inputs() -> keras.Model:
+    return dense({"a": keras.Input((4,), name="a"), "b": keras.Input((3,), name="b")}, 3, "softmax")
+
+
+def data(case: str, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    classes = rng.integers(0, 3, EXAMPLES)
+    if case == "binary":
+        return rng.normal(size=(EXAMPLES, 5)).astype(np.float32), classes % 2
+    if case == "softmax":  # one-hot float labels
+        return rng.normal(size=(EXAMPLES, 5)).astype(np.float32), np.eye(3, dtype=np.float32)[classes]
+    return ({"a": rng.normal(size=(EXAMPLES, 4)).astype(np.float32),
+             "b": rng.normal(size=(EXAMPLES, 3)).astype(np.float32)}, classes)
+
+
+CASES = {"binary": (binary, "binary_crossentropy", dict(class_weight={0: 1.0, 1: 3.0})),
+         "softmax": (softmax, "categorical_crossentropy", {}),
+         "two_inputs": (two_inputs, "sparse_categorical_crossentropy", {})}
+
+
+def compiled(make, initial, loss, metrics=()):
+    model = make()
+    model.set_weights(initial)
+    model.compile(optimizer=keras.optimizers.Adam(1e-2), loss=loss, metrics=list(metrics))
+    return model
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_weights_equal_kerass_fit_at_batch_size_times_accum(case, tmp_path):
+    make, loss, weighting = CASES[case]
+    keras.utils.set_random_seed(3)
+    initial = make().get_weights()
+    x, y = data(case)
+    reference = compiled(make, initial, loss)
+    want = reference.fit(x, y, batch_size=B * K, epochs=EPOCHS, shuffle=False, verbose=0,
+                         **weighting)
+    model = compiled(make, initial, loss)
+    history = tower_train.keras.fit(model, x, y, batch_size=B, epochs=EPOCHS, shuffle=False,
+                                    verbose=0, **weighting, **LAYOUT)
+    assert np.abs(model.get_weights()[0] - initial[0]).max() > 1e-2  # it trained
+    for got, expected in zip(model.get_weights(), reference.get_weights(), strict=True):
+        np.testing.assert_allclose(got, expected, atol=1e-4)
+    assert sorted(history.history) == sorted(want.history) == ["loss"]
+    np.testing.assert_allclose(history.history["loss"], want.history["loss"], rtol=1e-4)
+    assert history.epoch == want.epoch == [0, 1] and model.history is history
+    # Afterwards the model is as Keras's fit leaves it: its optimizer holds the same state.
+    assert int(model.optimizer.iterations) == int(reference.optimizer.iterations) == 8
+    for got, expected in zip(model.optimizer.variables, reference.optimizer.variables, strict=True):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(expected), atol=1e-4)
+    assert not list(tmp_path.iterdir())  # nothing written without train_dir=
+    if weighting:  # the class weights change the result, so the comparison sees how they count
+        unweighted = compiled(make, initial, loss)
+        unweighted.fit(x, y, batch_size=B * K, epochs=EPOCHS, shuffle=False, verbose=0)
+        assert np.abs(unweighted.get_weights()[0] - model.get_weights()[0]).max() > 1e-3
