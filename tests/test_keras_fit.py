@@ -83,3 +83,84 @@ def test_weights_equal_kerass_fit_at_batch_size_times_accum(case, tmp_path):
         unweighted = compiled(make, initial, loss)
         unweighted.fit(x, y, batch_size=B * K, epochs=EPOCHS, shuffle=False, verbose=0)
         assert np.abs(unweighted.get_weights()[0] - model.get_weights()[0]).max() > 1e-3
+
+
+def test_metrics_and_validation_are_kerass_with_kerass_names():
+    keras.utils.set_random_seed(4)
+    initial = softmax().get_weights()
+    x, y = data("softmax", seed=1)
+    options = dict(batch_size=B * K, epochs=EPOCHS, validation_split=0.25, shuffle=False, verbose=0)
+    want = compiled(softmax, initial, "categorical_crossentropy", ["accuracy"]).fit(x, y, **options)
+    model = compiled(softmax, initial, "categorical_crossentropy", ["accuracy"])
+    history = tower_train.keras.fit(model, x, y, **{**options, "batch_size": B}, **LAYOUT)
+    assert sorted(history.history) == sorted(want.history) == [
+        "accuracy", "loss", "val_accuracy", "val_loss"]
+    for key, values in want.history.items():
+        np.testing.assert_allclose(history.history[key], values, rtol=1e-4, err_msg=key)
+    # Afterwards the model evaluates at once, compiled as it was.
+    assert set(model.evaluate(x, y, verbose=0, return_dict=True)) == {"accuracy", "loss"}
+
+
+class Recorder(keras.callbacks.Callback):
+    """Every call Keras makes of a callback, with its epoch or batch and its logs' keys."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def _note(self, method, number=None, logs=None):
+        self.calls.append((method, number, sorted(logs or {})))
+
+    def on_train_begin(self, logs=None):
+        self._note("train_begin")
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._note("epoch_begin", epoch)
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self._note("batch_begin", batch)
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._note("batch_end", batch, logs)
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._note("epoch_end", epoch, logs)
+
+    def on_train_end(self, logs=None):
+        self._note("train_end")
+
+
+def learning_rate_callbacks():
+    """A schedule by epoch, and a plateau that never improves (mode="max" on a falling loss), so
+    the rate falls after every epoch but the first."""
+    return [keras.callbacks.LearningRateScheduler(lambda epoch, rate: 0.02 / (epoch + 1)),
+            keras.callbacks.ReduceLROnPlateau(monitor="loss", mode="max", factor=0.5, patience=0)]
+
+
+def test_callbacks_get_kerass_epochs_and_batches_and_set_the_rate_of_the_next_update(tmp_path):
+    keras.utils.set_random_seed(5)
+    initial = binary().get_weights()
+    x, y = data("binary", seed=2)
+    options = dict(epochs=4, initial_epoch=1, shuffle=False, verbose=0)
+    keras_recorder, recorder = Recorder(), Recorder()
+    reference = compiled(binary, initial, "binary_crossentropy")
+    want = reference.fit(x, y, batch_size=B * K, callbacks=[*learning_rate_callbacks(), keras_recorder],
+                         **options)
+    model = compiled(binary, initial, "binary_crossentropy")
+    board = keras.callbacks.TensorBoard(log_dir=str(tmp_path / "board"))
+    history = tower_train.keras.fit(model, x, y, batch_size=B,
+                                    callbacks=[*learning_rate_callbacks(), recorder, board],
+                                    **options, **LAYOUT)
+    assert recorder.calls == keras_recorder.calls
+    assert [call[:2] for call in recorder.calls[:3]] == [("train_begin", None), ("epoch_begin", 1),
+                                                         ("batch_begin", 0)]
+    assert history.epoch == want.epoch == [1, 2, 3]
+    assert sorted(history.history) == sorted(want.history) == ["learning_rate", "loss"]
+    rates = history.history["learning_rate"]
+    assert rates == want.history["learning_rate"] and rates[-1] < rates[0]
+    # The rates each epoch's updates used were the callbacks': the same weights as Keras's.
+    for got, expected in zip(model.get_weights(), reference.get_weights(), strict=True):
+        np.testing.assert_allclose(got, expected, atol=1e-4)
+    written = [path.relative_to(tmp_path / "board").parts[0]
+               for path in (tmp_path / "board").rglob("events.out.tfevents.*")]
+    assert "train" in written
