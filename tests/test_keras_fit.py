@@ -164,3 +164,29 @@ def test_callbacks_get_kerass_epochs_and_batches_and_set_the_rate_of_the_next_up
     written = [path.relative_to(tmp_path / "board").parts[0]
                for path in (tmp_path / "board").rglob("events.out.tfevents.*")]
     assert "train" in written
+
+
+def printed(capsys, train) -> list[str]:
+    """What `train()` printed to stdout, line by line, its times and figures replaced by # (they
+    vary from run to run); progress bars redrawn in place (\\r, \\b) kept as their last state."""
+    import re
+
+    capsys.readouterr()
+    train()
+    lines = re.split(r"\n", capsys.readouterr().out)
+    lines = [re.split(r"[\r\b]+", line)[-1] for line in lines]
+    return [re.sub(r"\d+(\.\d+)?(e[-+]\d+)?", "#", line).strip() for line in lines if line.strip()]
+
+
+@pytest.mark.parametrize("verbose", [0, 1, 2, "auto"])
+def test_progress_is_printed_to_stdout_as_keras_prints_it(verbose, capsys):
+    keras.utils.set_random_seed(6)
+    initial = binary().get_weights()
+    x, y = data("binary", seed=3)
+    options = dict(epochs=2, shuffle=False, verbose=verbose, validation_split=0.25)
+    want = printed(capsys, lambda: compiled(binary, initial, "binary_crossentropy").fit(
+        x, y, batch_size=B * K, **options))
+    got = printed(capsys, lambda: tower_train.keras.fit(
+        compiled(binary, initial, "binary_crossentropy"), x, y, batch_size=B, **options, **LAYOUT))
+    assert got == want
+    assert bool(got) == (verbose != 0) and (not got or got[0] == "Epoch #/#")
