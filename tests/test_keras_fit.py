@@ -190,3 +190,35 @@ def test_progress_is_printed_to_stdout_as_keras_prints_it(verbose, capsys):
         compiled(binary, initial, "binary_crossentropy"), x, y, batch_size=B, **options, **LAYOUT))
     assert got == want
     assert bool(got) == (verbose != 0) and (not got or got[0] == "Epoch #/#")
+
+
+def test_bad_arguments_are_one_usage_error_line():
+    x, y = data("binary")
+    model = binary()
+    uncompiled_message = "is not compiled with a loss; call model.compile("
+    with pytest.raises(tower_train.UsageError, match=uncompiled_message.replace("(", r"\(")):
+        tower_train.keras.fit(model, x, y)
+    model.compile(optimizer="adam", loss="binary_crossentropy")
+    cases = [
+        (dict(batch_size=9, num_gpus=2), "batch_size=9: examples per micro-step across all towers, "
+                                         "so it must be a multiple of num_gpus=2"),
+        (dict(max_steps=3), "max_steps=: tower_train.keras.fit sets it from epochs and steps_per_epoch"),
+        (dict(learning_rate=0.1), "learning_rate=: tower_train.keras.fit sets it from the compiled optimizer"),
+        (dict(verbose=3), "verbose=3: must be 0, 1, 2 or 'auto'"),
+        (dict(class_weight={0: 1.0}, sample_weight=np.ones(EXAMPLES)), "sample_weight= and class_weight="),
+        (dict(sample_weight=np.ones(3)), f"sample_weight [3]: must be one weight per example, [{EXAMPLES}]"),
+        (dict(validation_split=1.5), "validation_split=1.5: must be in [0, 1)"),
+        (dict(validation_data=[x, y]), "validation_data=list: expected a tuple (x, y)"),
+        (dict(shuffle="batch"), "shuffle='batch': must be True or False"),
+        (dict(x=keras.utils.PyDataset()), "x=PyDataset: tower_train.keras.fit takes numpy arrays"),
+        (dict(y=None), "x and y: tower_train.keras.fit needs both"),
+    ]
+    for change, message in cases:
+        arguments = {"x": x, "y": y, **change}
+        with pytest.raises(tower_train.UsageError) as excinfo:
+            tower_train.keras.fit(model, **arguments)
+        assert message in str(excinfo.value) and "\n" not in str(excinfo.value), (change, excinfo.value)
+    # A loss Keras reduces otherwise than over the batch's size.
+    model.compile(optimizer="adam", loss=keras.losses.BinaryCrossentropy(reduction="sum"))
+    with pytest.raises(tower_train.UsageError, match="takes Keras's default reduction"):
+        tower_train.keras.fit(model, x, y)

@@ -143,6 +143,11 @@ def _check_arguments(model, verbose, epochs, initial_epoch, validation_freq, shu
     if not getattr(model, "compiled", False) or model.loss is None:
         raise UsageError(f"model {model.name}: is not compiled with a loss; call model.compile("
                          "optimizer=..., loss=...) first, as for model.fit")
+    if isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer):
+        raise UsageError(f"model {model.name}: its optimizer is a LossScaleOptimizer (a "
+                         f"{model.dtype_policy.name} policy), whose loss scale the run would not "
+                         "apply; compile it under float32, or train with tower_train.fit(model="
+                         "lambda: ..., precision='fp16'), which scales the loss once per update")
     for name in options:
         if name in _SET_HERE:
             raise UsageError(f"{name}=: tower_train.keras.fit sets it from {_SET_HERE[name]}; "
