@@ -222,3 +222,21 @@ def test_bad_arguments_are_one_usage_error_line():
     model.compile(optimizer="adam", loss=keras.losses.BinaryCrossentropy(reduction="sum"))
     with pytest.raises(tower_train.UsageError, match="takes Keras's default reduction"):
         tower_train.keras.fit(model, x, y)
+
+
+def test_the_readme_keras_io_script_runs_with_its_one_changed_call(tmp_path):
+    """keras-io's MNIST convnet as README.md gives it: exits 0, its History keyed as Keras's."""
+    import subprocess
+    import sys
+
+    from test_models import python_block
+
+    script = python_block("README.md", "## Keras users: `tower_train.keras.fit`")
+    assert "tower_train.keras.fit(model, x_train, y_train, batch_size=batch_size" in script
+    (tmp_path / "mnist_convnet.py").write_text(script)
+    result = subprocess.run([sys.executable, "mnist_convnet.py"], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "History: ['accuracy', 'loss', 'val_accuracy', 'val_loss']" in result.stdout, result.stdout
+    assert "Epoch 2/2" in result.stdout and "Test accuracy:" in result.stdout
+    assert list(tmp_path.iterdir()) == [tmp_path / "mnist_convnet.py"]  # no checkpoints left
