@@ -16,8 +16,9 @@ LAYOUT = dict(num_gpus=N, accum=K)
 
 def dense(inputs, outputs: int, activation: str) -> keras.Model:
     """A dense network of no BatchNorm and no dropout, whose result Keras's layout cannot change."""
+    several = list(inputs.values()) if isinstance(inputs, dict) else inputs
     hidden = keras.layers.Dense(8, activation="tanh")(
-        keras.layers.Concatenate()(list(inputs.values())) if isinstance(inputs, dict) else inputs)
+        keras.layers.Concatenate()(several) if isinstance(inputs, (dict, list)) else inputs)
     return keras.Model(inputs, keras.layers.Dense(outputs, activation=activation)(hidden))
 
 
@@ -33,6 +34,10 @@ def two_inputs() -> keras.Model:
     return dense({"a": keras.Input((4,), name="a"), "b": keras.Input((3,), name="b")}, 3, "softmax")
 
 
+def input_list() -> keras.Model:
+    return dense([keras.Input((4,)), keras.Input((3,))], 3, "softmax")
+
+
 def data(case: str, seed: int = 0):
     rng = np.random.default_rng(seed)
     classes = rng.integers(0, 3, EXAMPLES)
@@ -40,13 +45,16 @@ def data(case: str, seed: int = 0):
         return rng.normal(size=(EXAMPLES, 5)).astype(np.float32), classes % 2
     if case == "softmax":  # one-hot float labels
         return rng.normal(size=(EXAMPLES, 5)).astype(np.float32), np.eye(3, dtype=np.float32)[classes]
-    return ({"a": rng.normal(size=(EXAMPLES, 4)).astype(np.float32),
-             "b": rng.normal(size=(EXAMPLES, 3)).astype(np.float32)}, classes)
+    inputs = {"a": rng.normal(size=(EXAMPLES, 4)).astype(np.float32),
+              "b": rng.normal(size=(EXAMPLES, 3)).astype(np.float32)}
+    return (inputs if case == "two_inputs" else [inputs["a"], inputs["b"]]), classes
 
 
 CASES = {"binary": (binary, "binary_crossentropy", dict(class_weight={0: 1.0, 1: 3.0})),
          "softmax": (softmax, "categorical_crossentropy", {}),
-         "two_inputs": (two_inputs, "sparse_categorical_crossentropy", {})}
+         "two_inputs": (two_inputs, "sparse_categorical_crossentropy", {}),
+         "input_list": (input_list, "sparse_categorical_crossentropy",
+                        dict(sample_weight=np.linspace(0.0, 2.0, EXAMPLES)))}
 
 
 def compiled(make, initial, loss, metrics=()):
@@ -79,7 +87,7 @@ def test_weights_equal_kerass_fit_at_batch_size_times_accum(case, tmp_path):
     for got, expected in zip(model.optimizer.variables, reference.optimizer.variables, strict=True):
         np.testing.assert_allclose(np.asarray(got), np.asarray(expected), atol=1e-4)
     assert not list(tmp_path.iterdir())  # nothing written without train_dir=
-    if weighting:  # the class weights change the result, so the comparison sees how they count
+    if weighting:  # the weights change the result, so the comparison sees how they count
         unweighted = compiled(make, initial, loss)
         unweighted.fit(x, y, batch_size=B * K, epochs=EPOCHS, shuffle=False, verbose=0)
         assert np.abs(unweighted.get_weights()[0] - model.get_weights()[0]).max() > 1e-3
@@ -240,3 +248,18 @@ def test_the_readme_keras_io_script_runs_with_its_one_changed_call(tmp_path):
     assert "History: ['accuracy', 'loss', 'val_accuracy', 'val_loss']" in result.stdout, result.stdout
     assert "Epoch 2/2" in result.stdout and "Test accuracy:" in result.stdout
     assert list(tmp_path.iterdir()) == [tmp_path / "mnist_convnet.py"]  # no checkpoints left
+
+
+def test_batchnorm_is_said_to_normalize_each_towers_share(caplog):
+    x, y = data("binary")
+    model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(4),
+                              keras.layers.BatchNormalization(name="norm"),
+                              keras.layers.Dense(1, activation="sigmoid")])
+    model.compile(optimizer="sgd", loss="binary_crossentropy")
+    tower_train.keras.fit(model, x, y, batch_size=B, steps_per_epoch=1, verbose=0, **LAYOUT)
+    warnings = [record.getMessage() for record in caplog.records if record.levelname == "WARNING"]
+    assert any("norm normalizes each tower's micro-batch of batch_size / num_gpus examples"
+               in warning for warning in warnings), warnings
+    caplog.clear()  # one tower, one micro-step: the same as Keras's fit, so nothing is said
+    tower_train.keras.fit(model, x, y, batch_size=B, steps_per_epoch=1, verbose=0, num_gpus=1)
+    assert not [record for record in caplog.records if "normalizes" in record.getMessage()]

@@ -384,8 +384,13 @@ def _split_arrays(split: str, features, labels, weights) -> tuple[object, object
 
 
 def _arrays(nest):
-    """`nest` (an array, or a dict, list or tuple of them) with numpy arrays for leaves."""
-    return tf.nest.map_structure(np.asarray, nest)
+    """`nest` (an array, or a dict, list or tuple of them) with numpy arrays for leaves, and
+    tuples for lists (tf.data would stack a list into one tensor)."""
+    if isinstance(nest, dict):
+        return {key: _arrays(value) for key, value in nest.items()}
+    if isinstance(nest, (list, tuple)):
+        return tuple(_arrays(item) for item in nest)
+    return np.asarray(nest)
 
 
 def _leaves(nest) -> list[tuple[str, np.ndarray]]:
