@@ -26,6 +26,16 @@ from tower_train.config import TrainConfig, check_directories
 from tower_train.errors import TrainingError, UsageError
 
 _OPTIONS = tuple(field.name for field in dataclasses.fields(TrainConfig))
+# Keras's Model.fit arguments that are no option here, and what stands for each.
+_KERAS_FIT_ARGUMENTS = {
+    "epochs": "max_steps counts updates", "steps_per_epoch": "max_steps counts updates",
+    "initial_epoch": "a run resumes from its train_dir",
+    "validation_split": "eval_data=(x, y) holds out arrays", "validation_data": "eval_data=(x, y)",
+    "validation_freq": "eval_every counts updates", "validation_steps": "eval_data=(x, y)",
+    "validation_batch_size": "eval_batch_size", "class_weight": "data=(x, y, w) weighs each label",
+    "sample_weight": "data=(x, y, w) weighs each label", "verbose": "progress goes to the log",
+    "x": "data=(x, y)", "y": "data=(x, y)",
+}
 # The options that make the rate of --optimizer's optimizer; an optimizer object has its own.
 _RATE_OPTIONS = ("learning_rate", "lr_schedule", "warmup_steps", "scale_lr")
 
@@ -33,6 +43,10 @@ _RATE_OPTIONS = ("learning_rate", "lr_schedule", "warmup_steps", "scale_lr")
 def make_config(options: dict) -> TrainConfig:
     """The options as a validated config; UsageError names an unknown one."""
     unknown = sorted(set(options) - set(_OPTIONS))
+    if unknown and unknown[0] in _KERAS_FIT_ARGUMENTS:
+        raise UsageError(f"fit(): {unknown[0]}= is Keras's Model.fit argument, not an option of "
+                         f"tower_train.fit ({_KERAS_FIT_ARGUMENTS[unknown[0]]}); "
+                         "tower_train.keras.fit(model, ...) takes Model.fit's arguments")
     if unknown:
         raise UsageError(f"fit(): unknown option {unknown[0]!r}; the options are the flags' names: "
                          f"{', '.join(_OPTIONS)}")
