@@ -5,6 +5,7 @@ afterwards; bad arguments, one UsageError line each."""
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 import tower_train
 import tower_train.keras
@@ -219,6 +220,14 @@ def test_bad_arguments_are_one_usage_error_line():
         (dict(validation_data=[x, y]), "validation_data=list: expected a tuple (x, y)"),
         (dict(shuffle="batch"), "shuffle='batch': must be True or False"),
         (dict(x=keras.utils.PyDataset()), "x=PyDataset: tower_train.keras.fit takes numpy arrays"),
+        (dict(x=tf.data.Dataset.from_tensor_slices((x, y)).batch(B), y=None, batch_size=B),
+         "batch_size=: not with a tf.data.Dataset x, whose elements give the batches"),
+        (dict(x=tf.data.Dataset.from_tensor_slices((x, y)).batch(B).repeat(), y=None),
+         "x=Dataset: is infinite"),
+        (dict(x=tf.data.Dataset.from_tensor_slices((x[:4], y[:4])).batch(4).concatenate(
+            tf.data.Dataset.from_tensor_slices((x, y)).batch(8)), y=None),
+         "x=Dataset: its batches hold 4, 8, 8, 8, 8, 8, 8, 8, ... examples: each step's batch must "
+         "be full but the last"),
         (dict(y=None), "x and y: tower_train.keras.fit needs both"),
     ]
     for change, message in cases:
@@ -263,3 +272,23 @@ def test_batchnorm_is_said_to_normalize_each_towers_share(caplog):
     caplog.clear()  # one tower, one micro-step: the same as Keras's fit, so nothing is said
     tower_train.keras.fit(model, x, y, batch_size=B, steps_per_epoch=1, verbose=0, num_gpus=1)
     assert not [record for record in caplog.records if "normalizes" in record.getMessage()]
+
+
+def test_a_batched_dataset_trains_as_keras_fit_on_its_batches(tmp_path):
+    """Its elements are the micro-steps' batches (here of B), accum of them an update: Keras's
+    fit on the same dataset batched by B x K, the validation a dataset too."""
+    keras.utils.set_random_seed(7)
+    initial = softmax().get_weights()
+    x, y = data("softmax", seed=4)
+    held_out = tf.data.Dataset.from_tensor_slices((x[:16], y[:16])).batch(4)
+    reference = compiled(softmax, initial, "categorical_crossentropy", ["accuracy"])
+    want = reference.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(B * K), epochs=EPOCHS,
+                         validation_data=held_out, verbose=0)
+    model = compiled(softmax, initial, "categorical_crossentropy", ["accuracy"])
+    history = tower_train.keras.fit(model, tf.data.Dataset.from_tensor_slices((x, y)).batch(B),
+                                    epochs=EPOCHS, validation_data=held_out, verbose=0, **LAYOUT)
+    for got, expected in zip(model.get_weights(), reference.get_weights(), strict=True):
+        np.testing.assert_allclose(got, expected, atol=1e-4)
+    assert sorted(history.history) == sorted(want.history)
+    for key, values in want.history.items():
+        np.testing.assert_allclose(history.history[key], values, rtol=1e-4, err_msg=key)

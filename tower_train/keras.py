@@ -90,6 +90,10 @@ def fit(model: keras.Model, x: Any = None, y: Any = None, batch_size: int | None
     """
     verbose = _check_arguments(model, verbose, epochs, initial_epoch, validation_freq, shuffle,
                                options)
+    if isinstance(x, tf.data.Dataset):
+        x, y, sample_weight, batch_size = _read_dataset(x, y, sample_weight, batch_size,
+                                                        validation_split)
+        shuffle = False  # as Keras: a dataset's order is its own
     batch_size = DEFAULT_BATCH_SIZE if batch_size is None else batch_size
     for name, value, least in (("batch_size", batch_size, 1), ("num_gpus", num_gpus, 0),
                                ("accum", accum, 1)):
@@ -168,15 +172,38 @@ def _whole_number(name: str, value: object, least: int) -> None:
         raise UsageError(f"{name}={value!r}: must be a whole number >= {least}")
 
 
+def _read_dataset(dataset: tf.data.Dataset, y, sample_weight, batch_size, validation_split):
+    """A finite, batched dataset of (x, y) or (x, y, sample_weight) elements, one step's batch
+    each, read once into arrays: (x, y, sample_weight or None, its batch size)."""
+    for name, value in (("y", y), ("sample_weight", sample_weight), ("batch_size", batch_size),
+                        ("validation_split", validation_split or None)):
+        if value is not None:
+            raise UsageError(f"{name}=: not with a tf.data.Dataset x, whose elements give the "
+                             "batches (x, y[, sample_weight]), as for model.fit")
+    if dataset.cardinality() == tf.data.INFINITE_CARDINALITY:
+        raise UsageError("x=Dataset: is infinite; tower_train.keras.fit reads a dataset once, into "
+                         "memory, so it must end (take(n) it)")
+    elements = list(dataset.as_numpy_iterator())
+    if not elements or not isinstance(elements[0], tuple) or len(elements[0]) not in (2, 3):
+        raise UsageError("x=Dataset: expected batches (x, y) or (x, y, sample_weight), one per "
+                         "step; it yields " + ("nothing" if not elements else
+                                               type(elements[0]).__name__))
+    sizes = [len(tf.nest.flatten(element)[0]) for element in elements]
+    if any(size != sizes[0] for size in sizes[:-1]) or sizes[-1] > sizes[0]:
+        raise UsageError(f"x=Dataset: its batches hold {', '.join(map(str, sizes[:8]))}"
+                         f"{', ...' if len(sizes) > 8 else ''} examples: each step's batch must be "
+                         "full but the last (batch(..., drop_remainder=False) gives that)")
+    arrays = tf.nest.map_structure(lambda *parts: np.concatenate(parts), *elements)
+    return arrays[0], arrays[1], arrays[2] if len(arrays) == 3 else None, sizes[0]
+
+
 def _split_data(x, y, sample_weight, class_weight, validation_split, validation_data):
     """((x, y, w) to train on, (x, y, w) held out or None) from Keras's data arguments; w is the
     float32 weight of each example, sample_weight times class_weight's (ones without either)."""
-    if isinstance(x, (tf.data.Dataset, keras.utils.PyDataset)) or (
-            x is not None and not isinstance(x, (np.ndarray, dict, list, tuple))
-            and not tf.is_tensor(x)):
+    if x is not None and not isinstance(x, (np.ndarray, dict, list, tuple)) and not tf.is_tensor(x):
         raise UsageError(f"x={type(x).__name__}: tower_train.keras.fit takes numpy arrays, or a "
-                         "dict, list or tuple of them, with y (a tf.data.Dataset, PyDataset or "
-                         "generator is not supported yet)")
+                         "dict, list or tuple of them, with y, or a batched tf.data.Dataset (a "
+                         "PyDataset or a generator is not supported yet)")
     if x is None or y is None:
         raise UsageError("x and y: tower_train.keras.fit needs both, as numpy arrays")
     x, y = (tf.nest.map_structure(np.asarray, value) for value in (x, y))
@@ -199,10 +226,12 @@ def _split_data(x, y, sample_weight, class_weight, validation_split, validation_
     if not 0.0 <= validation_split < 1.0:
         raise UsageError(f"validation_split={validation_split!r}: must be in [0, 1)")
     held_out = None
-    if validation_data is not None:
+    if isinstance(validation_data, tf.data.Dataset):
+        held_out = (validation_data, None, None)  # the model's evaluate reads it as it is
+    elif validation_data is not None:
         if not isinstance(validation_data, tuple) or len(validation_data) not in (2, 3):
             raise UsageError(f"validation_data={type(validation_data).__name__}: expected a tuple "
-                             "(x, y) or (x, y, sample_weight) of numpy arrays")
+                             "(x, y) or (x, y, sample_weight) of numpy arrays, or a tf.data.Dataset")
         held_out = (*validation_data, None)[:3]
     elif validation_split:
         # Keras's: the last fraction of the arrays, before any shuffling.
@@ -359,7 +388,8 @@ class _KerasFitLoop(keras.callbacks.Callback):
         self._user_model.set_weights(self.model.get_weights())
         held_x, held_y, held_weights = self._held_out
         results = self._user_model.evaluate(
-            held_x, held_y, sample_weight=held_weights, batch_size=self._batch_size,
+            held_x, held_y, sample_weight=held_weights,
+            batch_size=None if isinstance(held_x, tf.data.Dataset) else self._batch_size,
             steps=self._validation_steps, verbose=0, return_dict=True)
         return {f"val_{name}": float(value) for name, value in results.items()}
 
