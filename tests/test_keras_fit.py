@@ -292,3 +292,64 @@ def test_a_batched_dataset_trains_as_keras_fit_on_its_batches(tmp_path):
     assert sorted(history.history) == sorted(want.history)
     for key, values in want.history.items():
         np.testing.assert_allclose(history.history[key], values, rtol=1e-4, err_msg=key)
+
+
+def test_checkpoints_early_stopping_and_csv_are_kerass(tmp_path):
+    """ModelCheckpoint, EarlyStopping and CSVLogger see Keras's epochs: the same files and rows,
+    the same last epoch, as on Keras's own fit."""
+    keras.utils.set_random_seed(8)
+    initial = binary().get_weights()
+    x, y = data("binary", seed=5)
+
+    def callbacks(directory):
+        directory.mkdir()
+        # Never better (mode="max" on a falling loss): stops after its second epoch.
+        return [keras.callbacks.ModelCheckpoint(str(directory / "model_{epoch}.keras")),
+                keras.callbacks.EarlyStopping(monitor="loss", mode="max", patience=1),
+                keras.callbacks.CSVLogger(str(directory / "log.csv"))]
+
+    options = dict(epochs=5, shuffle=False, verbose=0)
+    want = compiled(binary, initial, "binary_crossentropy").fit(
+        x, y, batch_size=B * K, callbacks=callbacks(tmp_path / "keras"), **options)
+    model = compiled(binary, initial, "binary_crossentropy")
+    history = tower_train.keras.fit(model, x, y, batch_size=B, callbacks=callbacks(tmp_path / "ours"),
+                                    **options, **LAYOUT)
+    assert history.epoch == want.epoch == [0, 1]
+    assert sorted(p.name for p in (tmp_path / "ours").iterdir()) == sorted(
+        p.name for p in (tmp_path / "keras").iterdir()) == ["log.csv", "model_1.keras", "model_2.keras"]
+    rows = [(tmp_path / name / "log.csv").read_text().splitlines() for name in ("ours", "keras")]
+    assert [row.split(",")[0] for row in rows[0]] == [row.split(",")[0] for row in rows[1]]
+    saved = keras.saving.load_model(tmp_path / "ours" / "model_2.keras", compile=False)
+    for got, expected in zip(saved.get_weights(), model.get_weights(), strict=True):
+        np.testing.assert_array_equal(got, expected)
+
+
+class StopAfter(keras.callbacks.Callback):
+    """Stops the run after the batch numbered `batch` of the first epoch."""
+
+    def __init__(self, batch: int):
+        super().__init__()
+        self.batch = batch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == self.batch:
+            self.model.stop_training = True
+
+
+def test_a_train_dir_keeps_checkpoints_and_a_rerun_resumes_there(tmp_path):
+    keras.utils.set_random_seed(9)
+    initial = softmax().get_weights()
+    x, y = data("softmax", seed=6)
+    options = dict(batch_size=B, epochs=EPOCHS, shuffle=False, verbose=0, **LAYOUT)
+    straight = compiled(softmax, initial, "categorical_crossentropy")
+    tower_train.keras.fit(straight, x, y, **options)
+    model = compiled(softmax, initial, "categorical_crossentropy")
+    stopped = tower_train.keras.fit(model, x, y, callbacks=[StopAfter(1)], train_dir=tmp_path,
+                                    **options)
+    assert stopped.epoch == [] and int(model.optimizer.iterations) == 2  # within epoch 0
+    assert (tmp_path / "ckpt-2.index").exists()
+    resumed = tower_train.keras.fit(compiled(softmax, initial, "categorical_crossentropy"), x, y,
+                                    train_dir=tmp_path, **options)
+    assert resumed.epoch == [0, 1] and int(resumed.model.optimizer.iterations) == 8
+    for got, expected in zip(resumed.model.get_weights(), straight.get_weights(), strict=True):
+        np.testing.assert_allclose(got, expected, atol=1e-6)

@@ -322,7 +322,8 @@ class _KerasFitLoop(keras.callbacks.Callback):
         self._held_out, self._validation_freq = held_out, validation_freq
         self._validation_steps, self._batch_size = validation_steps, batch_size
         self._source, self._seed, self._update_examples = source, seed, update_examples
-        self._loss_sum = 0.0
+        self._loss_sum = 0.0  # of the updates of this epoch that this call applied
+        self._epoch_updates: int | None = None  # those updates; None between epochs
         self._optimizer_state: list[np.ndarray] | None = None
 
     def set_model(self, model: keras.Model) -> None:
@@ -338,8 +339,8 @@ class _KerasFitLoop(keras.callbacks.Callback):
 
     def on_train_batch_begin(self, step: int, logs=None) -> None:
         epoch, batch = self._place(step)
-        if batch == 0:
-            self._loss_sum = 0.0
+        if self._epoch_updates is None:  # its first update, or the first after resuming in it
+            self._loss_sum, self._epoch_updates = 0.0, 0
             self._user_model.reset_metrics()
             self.list.on_epoch_begin(epoch)
         self._update_metrics(step - 1)
@@ -348,9 +349,11 @@ class _KerasFitLoop(keras.callbacks.Callback):
     def on_train_batch_end(self, step: int, logs=None) -> None:
         epoch, batch = self._place(step)
         self._loss_sum += logs["loss"]
-        epoch_logs = {**self._metrics(), "loss": self._loss_sum / (batch + 1)}
+        self._epoch_updates += 1
+        epoch_logs = {**self._metrics(), "loss": self._loss_sum / self._epoch_updates}
         self.list.on_train_batch_end(batch, epoch_logs)
         if batch == self._per_epoch - 1:
+            self._epoch_updates = None
             if self._held_out is not None and (epoch + 1) % self._validation_freq == 0:
                 epoch_logs.update(self._validate())
             self.list.on_epoch_end(epoch, epoch_logs)
