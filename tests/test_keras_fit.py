@@ -65,8 +65,9 @@ def compiled(make, initial, loss, metrics=()):
     return model
 
 
-@pytest.mark.parametrize("case", CASES)
-def test_weights_equal_kerass_fit_at_batch_size_times_accum(case, tmp_path):
+@pytest.mark.parametrize("case,mode", [*((case, "tower") for case in CASES),
+                                       ("two_inputs", "mirrored"), ("binary", "mirrored")])
+def test_weights_equal_kerass_fit_at_batch_size_times_accum(case, mode, tmp_path):
     make, loss, weighting = CASES[case]
     keras.utils.set_random_seed(3)
     initial = make().get_weights()
@@ -76,7 +77,7 @@ def test_weights_equal_kerass_fit_at_batch_size_times_accum(case, tmp_path):
                          **weighting)
     model = compiled(make, initial, loss)
     history = tower_train.keras.fit(model, x, y, batch_size=B, epochs=EPOCHS, shuffle=False,
-                                    verbose=0, **weighting, **LAYOUT)
+                                    verbose=0, mode=mode, **weighting, **LAYOUT)
     assert np.abs(model.get_weights()[0] - initial[0]).max() > 1e-2  # it trained
     for got, expected in zip(model.get_weights(), reference.get_weights(), strict=True):
         np.testing.assert_allclose(got, expected, atol=1e-4)
@@ -219,9 +220,10 @@ def test_bad_arguments_are_one_usage_error_line():
         (dict(validation_split=1.5), "validation_split=1.5: must be in [0, 1)"),
         (dict(validation_data=[x, y]), "validation_data=list: expected a tuple (x, y)"),
         (dict(shuffle="batch"), "shuffle='batch': must be True or False"),
-        (dict(x=keras.utils.PyDataset()), "x=PyDataset: tower_train.keras.fit takes numpy arrays"),
+        (dict(x=(batch for batch in [(x, y)]), y=None), "x=generator: tower_train.keras.fit takes "
+         "numpy arrays"),
         (dict(x=tf.data.Dataset.from_tensor_slices((x, y)).batch(B), y=None, batch_size=B),
-         "batch_size=: not with a tf.data.Dataset x, whose elements give the batches"),
+         "batch_size=: not with x=Dataset, whose elements give the batches"),
         (dict(x=tf.data.Dataset.from_tensor_slices((x, y)).batch(B).repeat(), y=None),
          "x=Dataset: is infinite"),
         (dict(x=tf.data.Dataset.from_tensor_slices((x[:4], y[:4])).batch(4).concatenate(
@@ -272,6 +274,33 @@ def test_batchnorm_is_said_to_normalize_each_towers_share(caplog):
     caplog.clear()  # one tower, one micro-step: the same as Keras's fit, so nothing is said
     tower_train.keras.fit(model, x, y, batch_size=B, steps_per_epoch=1, verbose=0, num_gpus=1)
     assert not [record for record in caplog.records if "normalizes" in record.getMessage()]
+
+
+class Batches(keras.utils.PyDataset):
+    """Keras's PyDataset of the arrays in batches of `size`."""
+
+    def __init__(self, x, y, size):
+        super().__init__()
+        self.x, self.y, self.size = x, y, size
+
+    def __len__(self):
+        return len(self.y) // self.size
+
+    def __getitem__(self, index):
+        rows = slice(index * self.size, (index + 1) * self.size)
+        return self.x[rows], self.y[rows]
+
+
+def test_a_py_dataset_trains_as_keras_fit_on_its_batches():
+    keras.utils.set_random_seed(10)
+    initial = binary().get_weights()
+    x, y = data("binary", seed=7)
+    reference = compiled(binary, initial, "binary_crossentropy")
+    reference.fit(Batches(x, y, B * K), epochs=EPOCHS, shuffle=False, verbose=0)
+    model = compiled(binary, initial, "binary_crossentropy")
+    tower_train.keras.fit(model, Batches(x, y, B), epochs=EPOCHS, shuffle=False, verbose=0, **LAYOUT)
+    for got, expected in zip(model.get_weights(), reference.get_weights(), strict=True):
+        np.testing.assert_allclose(got, expected, atol=1e-4)
 
 
 def test_a_batched_dataset_trains_as_keras_fit_on_its_batches(tmp_path):

@@ -90,10 +90,14 @@ def fit(model: keras.Model, x: Any = None, y: Any = None, batch_size: int | None
     """
     verbose = _check_arguments(model, verbose, epochs, initial_epoch, validation_freq, shuffle,
                                options)
-    if isinstance(x, tf.data.Dataset):
+    if isinstance(x, (tf.data.Dataset, keras.utils.PyDataset)):
+        if isinstance(x, keras.utils.PyDataset) and shuffle:
+            logging.warning("tower_train.keras.fit: %s is trained in its own order of batches every "
+                            "epoch; Keras's fit with shuffle=True would shuffle them",
+                            type(x).__name__)
         x, y, sample_weight, batch_size = _read_dataset(x, y, sample_weight, batch_size,
                                                         validation_split)
-        shuffle = False  # as Keras: a dataset's order is its own
+        shuffle = False  # a dataset's order is its own
     batch_size = DEFAULT_BATCH_SIZE if batch_size is None else batch_size
     for name, value, least in (("batch_size", batch_size, 1), ("num_gpus", num_gpus, 0),
                                ("accum", accum, 1)):
@@ -172,25 +176,35 @@ def _whole_number(name: str, value: object, least: int) -> None:
         raise UsageError(f"{name}={value!r}: must be a whole number >= {least}")
 
 
-def _read_dataset(dataset: tf.data.Dataset, y, sample_weight, batch_size, validation_split):
-    """A finite, batched dataset of (x, y) or (x, y, sample_weight) elements, one step's batch
-    each, read once into arrays: (x, y, sample_weight or None, its batch size)."""
+def _read_dataset(dataset: tf.data.Dataset | keras.utils.PyDataset, y, sample_weight, batch_size,
+                  validation_split):
+    """A finite `tf.data.Dataset` or `keras.utils.PyDataset` of batches (x, y) or
+    (x, y, sample_weight), one step's each, read once into arrays: (x, y, sample_weight or None,
+    its batch size)."""
+    kind = "Dataset" if isinstance(dataset, tf.data.Dataset) else type(dataset).__name__
     for name, value in (("y", y), ("sample_weight", sample_weight), ("batch_size", batch_size),
                         ("validation_split", validation_split or None)):
         if value is not None:
-            raise UsageError(f"{name}=: not with a tf.data.Dataset x, whose elements give the "
-                             "batches (x, y[, sample_weight]), as for model.fit")
-    if dataset.cardinality() == tf.data.INFINITE_CARDINALITY:
-        raise UsageError("x=Dataset: is infinite; tower_train.keras.fit reads a dataset once, into "
-                         "memory, so it must end (take(n) it)")
-    elements = list(dataset.as_numpy_iterator())
+            raise UsageError(f"{name}=: not with x={kind}, whose elements give the batches "
+                             "(x, y[, sample_weight]), as for model.fit")
+    if isinstance(dataset, tf.data.Dataset):
+        finite = dataset.cardinality() != tf.data.INFINITE_CARDINALITY
+        read = lambda: list(dataset.as_numpy_iterator())  # noqa: E731
+    else:
+        finite = dataset.num_batches is not None
+        read = lambda: [tf.nest.map_structure(np.asarray, dataset[index])  # noqa: E731
+                        for index in range(dataset.num_batches)]
+    if not finite:
+        raise UsageError(f"x={kind}: is infinite; tower_train.keras.fit reads it once, into "
+                         "memory, so it must end")
+    elements = [tuple(element) if isinstance(element, list) else element for element in read()]
     if not elements or not isinstance(elements[0], tuple) or len(elements[0]) not in (2, 3):
-        raise UsageError("x=Dataset: expected batches (x, y) or (x, y, sample_weight), one per "
+        raise UsageError(f"x={kind}: expected batches (x, y) or (x, y, sample_weight), one per "
                          "step; it yields " + ("nothing" if not elements else
                                                type(elements[0]).__name__))
     sizes = [len(tf.nest.flatten(element)[0]) for element in elements]
     if any(size != sizes[0] for size in sizes[:-1]) or sizes[-1] > sizes[0]:
-        raise UsageError(f"x=Dataset: its batches hold {', '.join(map(str, sizes[:8]))}"
+        raise UsageError(f"x={kind}: its batches hold {', '.join(map(str, sizes[:8]))}"
                          f"{', ...' if len(sizes) > 8 else ''} examples: each step's batch must be "
                          "full but the last (batch(..., drop_remainder=False) gives that)")
     arrays = tf.nest.map_structure(lambda *parts: np.concatenate(parts), *elements)
@@ -202,8 +216,9 @@ def _split_data(x, y, sample_weight, class_weight, validation_split, validation_
     float32 weight of each example, sample_weight times class_weight's (ones without either)."""
     if x is not None and not isinstance(x, (np.ndarray, dict, list, tuple)) and not tf.is_tensor(x):
         raise UsageError(f"x={type(x).__name__}: tower_train.keras.fit takes numpy arrays, or a "
-                         "dict, list or tuple of them, with y, or a batched tf.data.Dataset (a "
-                         "PyDataset or a generator is not supported yet)")
+                         "dict, list or tuple of them, with y, or a batched tf.data.Dataset or a "
+                         "keras.utils.PyDataset (not a generator, which cannot be read again for "
+                         "another epoch or a resume: read it into arrays)")
     if x is None or y is None:
         raise UsageError("x and y: tower_train.keras.fit needs both, as numpy arrays")
     x, y = (tf.nest.map_structure(np.asarray, value) for value in (x, y))
