@@ -382,3 +382,17 @@ def test_a_train_dir_keeps_checkpoints_and_a_rerun_resumes_there(tmp_path):
     assert resumed.epoch == [0, 1] and int(resumed.model.optimizer.iterations) == 8
     for got, expected in zip(resumed.model.get_weights(), straight.get_weights(), strict=True):
         np.testing.assert_allclose(got, expected, atol=1e-6)
+
+
+def test_a_second_fit_continues_the_optimizers_state_as_kerass_does():
+    keras.utils.set_random_seed(11)
+    initial = softmax().get_weights()
+    x, y = data("softmax", seed=8)
+    reference = compiled(softmax, initial, "categorical_crossentropy")
+    model = compiled(softmax, initial, "categorical_crossentropy")
+    for _ in range(2):  # Adam's moments and iterations go on in the second call
+        reference.fit(x, y, batch_size=B * K, shuffle=False, verbose=0)
+        tower_train.keras.fit(model, x, y, batch_size=B, shuffle=False, verbose=0, **LAYOUT)
+    assert int(model.optimizer.iterations) == int(reference.optimizer.iterations) == 8
+    for got, expected in zip(model.get_weights(), reference.get_weights(), strict=True):
+        np.testing.assert_allclose(got, expected, atol=1e-4)

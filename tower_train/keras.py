@@ -44,6 +44,7 @@ from absl import logging
 
 from tower_train import api
 from tower_train.callbacks import check_callbacks
+from tower_train.config import TrainConfig
 from tower_train.data import ArraySource
 from tower_train.errors import UsageError
 from tower_train.keras_model import per_label_loss
@@ -117,7 +118,7 @@ def fit(model: keras.Model, x: Any = None, y: Any = None, batch_size: int | None
     _whole_number("steps_per_epoch", per_epoch, 1)
     loop = _KerasFitLoop(model, callbacks, verbose, epochs, initial_epoch, per_epoch, held_out,
                          validation_freq, validation_steps, batch_size, source,
-                         options.get("seed", 0), update_examples)
+                         options.get("seed", TrainConfig.seed), update_examples)
     if epochs <= initial_epoch:  # as Keras: nothing to train
         loop.list.on_train_begin()
         loop.list.on_train_end()
@@ -315,6 +316,16 @@ def _warn_differences(model: keras.Model, towers: int, accum: int, options: dict
                             "as Keras's fit would (docs/batchnorm.md)", ", ".join(normalizing))
 
 
+def _copy_state(values: list[np.ndarray], optimizer: keras.optimizers.Optimizer) -> None:
+    """`values`, the variables of an optimizer of the same class and config built on the same
+    weights, into `optimizer`'s."""
+    if len(optimizer.variables) != len(values):
+        raise UsageError(f"optimizer {optimizer.name}: holds {len(optimizer.variables)} variables "
+                         f"where its copy holds {len(values)}; the state cannot be copied")
+    for variable, value in zip(optimizer.variables, values, strict=True):
+        variable.assign(value)
+
+
 class _KerasFitLoop(keras.callbacks.Callback):
     """The one callback `tower_train.fit` is given: it tells the user's callbacks, the History and
     Keras's progress bar (a `keras.callbacks.CallbackList`) of epochs and batches as Keras's fit
@@ -350,6 +361,12 @@ class _KerasFitLoop(keras.callbacks.Callback):
         return self._initial_epoch + (step - 1) // self._per_epoch, (step - 1) % self._per_epoch
 
     def on_train_begin(self, logs=None) -> None:
+        """Before the first update: a fresh run's optimizer continues the state of the model's
+        own optimizer when it has trained before, as Keras's next fit would (a run resumed from
+        its train_dir keeps the checkpoint's)."""
+        own, run = self._user_model.optimizer, self.model.optimizer
+        if own.built and int(run.iterations) == 0:
+            _copy_state([v.numpy() for v in own.variables], run)
         self.list.on_train_begin()
 
     def on_train_batch_begin(self, step: int, logs=None) -> None:
@@ -418,11 +435,6 @@ class _KerasFitLoop(keras.callbacks.Callback):
         optimizer = self._user_model.optimizer
         if not optimizer.built:
             optimizer.build(self._user_model.trainable_variables)
-        if len(optimizer.variables) != len(self._optimizer_state):
-            raise UsageError(f"optimizer {optimizer.name}: holds {len(optimizer.variables)} "
-                             f"variables, the run's copy {len(self._optimizer_state)}; it cannot "
-                             "be given the run's state")
-        for variable, value in zip(optimizer.variables, self._optimizer_state, strict=True):
-            variable.assign(value)
+        _copy_state(self._optimizer_state, optimizer)
         self._user_model.history = self.history
         self.history.set_model(self._user_model)
