@@ -99,6 +99,15 @@ CASES = [
     (dict(learning_rate=float("inf")), "--learning_rate=inf: must be a finite number > 0"),
     (dict(seed=2**32), "--seed=4294967296: must be a whole number <= 4294967295"),
     (dict(no_such_option=1), "fit(): unknown option 'no_such_option'"),
+    (dict(epochs=3), "fit(): epochs= is Keras's Model.fit argument, not an option of tower_train.fit "
+                     "(max_steps counts updates); tower_train.keras.fit(model, ...) takes"),
+    (dict(optimizer=keras.optimizers.SGD(0.5), learning_rate=0.1),
+     "learning_rate=: is for --optimizer's rate; optimizer=SGD has its own"),
+    (dict(optimizer=5), "optimizer=5: expected one of sgd, momentum, adam or a keras.optimizers.Optimizer"),
+    (dict(optimizer=keras.optimizers.Adam(gradient_accumulation_steps=2)),
+     "optimizer=Adam(gradient_accumulation_steps=2): the run accumulates micro-steps itself"),
+    (dict(class_weight={0: 2.0}), "class_weight= is Keras's Model.fit argument, not an option of "
+                                  "tower_train.fit (data=(x, y, w) weighs each label)"),
     (dict(model=42), "model=42: expected a registered name, a tower_train.TowerModel subclass"),
     (dict(model=dict), "model=builtins.dict: is not a subclass of tower_train.TowerModel"),
     (dict(model="no_such_net"), "--model=no_such_net: unknown; registered: "),

@@ -197,7 +197,8 @@ def test_image_sources_and_array_sources_reject_malformed_arrays():
         image_data.image_source("x", images, np.full(10, 10, np.int32), images, labels)
     cases = [
         (dict(train_features=images[:3]), "train_features [3, 32, 32, 3] and train_labels [10]"),
-        (dict(train_labels=labels.astype(np.float32)), "train_labels are float32"),
+        # Float labels are targets (of a Keras loss), which the held-out class labels are not.
+        (dict(train_labels=labels.astype(np.float32)), "eval_labels are int32 [10], train_labels float32 [10]"),
         (dict(train_labels=labels - 1), "train_labels hold -1"),
         # Not wrapped to another class by the cast to int32.
         (dict(train_labels=labels.astype(np.int64) + 2**31), "train_labels hold 2147483657: labels must fit in int32"),

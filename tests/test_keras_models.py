@@ -417,3 +417,17 @@ def test_bad_keras_input_is_one_usage_error_line_and_writes_nothing(tmp_path, ar
                         train_dir=train_dir, num_gpus=2, batch_size=4, max_steps=1, **arguments)
     assert message in str(error.value) and "\n" not in str(error.value), error.value
     assert not train_dir.exists()
+
+
+def test_an_optimizer_object_trains_a_copy_of_itself(sequential_reference, tmp_path):
+    """fit(optimizer=<a Keras optimizer object>): the reference's SGD at LR, as an object, gives
+    its weights; the object itself is left unbuilt."""
+    initial, expected = sequential_reference
+    model = with_weights(sequential, initial)
+    optimizer = keras.optimizers.SGD(LR)
+    x, y = arrays()
+    tower_train.fit(model=model, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                    data=(x, y), shuffle=False, num_gpus=2, batch_size=6, accum=2,
+                    train_dir=tmp_path / "run", optimizer=optimizer, max_steps=UPDATES, ema_decay=0.0)
+    assert_same_weights(model.get_weights(), expected)
+    assert not optimizer.built

@@ -25,6 +25,8 @@ __all__ = ["Stopped", "TrainingError", "UsageError", *_LAZY]
 
 
 def __getattr__(name: str):
+    if name == "keras":  # tower_train.keras.fit: Keras's Model.fit on towers
+        return importlib.import_module("tower_train.keras")
     if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'tower_train' has no attribute {name!r}")

@@ -26,11 +26,27 @@ from tower_train.config import TrainConfig, check_directories
 from tower_train.errors import TrainingError, UsageError
 
 _OPTIONS = tuple(field.name for field in dataclasses.fields(TrainConfig))
+# Keras's Model.fit arguments that are no option here, and what stands for each.
+_KERAS_FIT_ARGUMENTS = {
+    "epochs": "max_steps counts updates", "steps_per_epoch": "max_steps counts updates",
+    "initial_epoch": "a run resumes from its train_dir",
+    "validation_split": "eval_data=(x, y) holds out arrays", "validation_data": "eval_data=(x, y)",
+    "validation_freq": "eval_every counts updates", "validation_steps": "eval_data=(x, y)",
+    "validation_batch_size": "eval_batch_size", "class_weight": "data=(x, y, w) weighs each label",
+    "sample_weight": "data=(x, y, w) weighs each label", "verbose": "progress goes to the log",
+    "x": "data=(x, y)", "y": "data=(x, y)",
+}
+# The options that make the rate of --optimizer's optimizer; an optimizer object has its own.
+_RATE_OPTIONS = ("learning_rate", "lr_schedule", "warmup_steps", "scale_lr")
 
 
 def make_config(options: dict) -> TrainConfig:
     """The options as a validated config; UsageError names an unknown one."""
     unknown = sorted(set(options) - set(_OPTIONS))
+    if unknown and unknown[0] in _KERAS_FIT_ARGUMENTS:
+        raise UsageError(f"fit(): {unknown[0]}= is Keras's Model.fit argument, not an option of "
+                         f"tower_train.fit ({_KERAS_FIT_ARGUMENTS[unknown[0]]}); "
+                         "tower_train.keras.fit(model, ...) takes Model.fit's arguments")
     if unknown:
         raise UsageError(f"fit(): unknown option {unknown[0]!r}; the options are the flags' names: "
                          f"{', '.join(_OPTIONS)}")
@@ -45,6 +61,23 @@ def config_and_objects(model: object, data: object, options: dict) -> tuple[Trai
     if isinstance(data, str):
         options["dataset"], data = data, None
     return make_config(options), model, data
+
+
+def optimizer_object(options: dict) -> object:
+    """The `optimizer` option when it is an object (a Keras optimizer, checked by
+    `model_spec.resolve_model`), taken out of `options`; None when it names one of --optimizer's.
+
+    Raises:
+      UsageError: an option that sets --optimizer's learning rate given beside an object.
+    """
+    if isinstance(options.get("optimizer", ""), str):
+        return None
+    optimizer = options.pop("optimizer")
+    given = [name for name in _RATE_OPTIONS if name in options]
+    if given:
+        raise UsageError(f"{given[0]}=: is for --optimizer's rate; optimizer={type(optimizer).__name__} "
+                         "has its own (give the object its learning rate or schedule)")
+    return optimizer
 
 
 def create_devices(**options) -> None:
@@ -178,7 +211,9 @@ def fit(model: object = None, data: object = None, *, num_classes: int | None = 
       stop: a `tower_train.stop_signals.StopSignals` to stop at an update boundary on SIGTERM,
         SIGINT or SIGHUP (the CLI passes one); None leaves signals alone.
       watchdog: told of progress and of local work (the CLI's multi-worker `PeerWatchdog`).
-      **options: every training option, by its flag's name (see `TrainConfig`).
+      **options: every training option, by its flag's name (see `TrainConfig`); `optimizer`
+        may also be a `keras.optimizers.Optimizer` object (a copy of it trains, with its own
+        rate or schedule and clipping: the learning-rate options are then refused).
 
     Returns:
       A `tower_train.trainer.TrainResult`: step, loss, eval_precision, eval_loss, eval_examples,
@@ -189,6 +224,7 @@ def fit(model: object = None, data: object = None, *, num_classes: int | None = 
       TrainingError: training cannot go on (a non-finite update under --nonfinite=stop, a lost
       peer). Stopped: a stop signal, after saving.
     """
+    optimizer = optimizer_object(options)
     config, model, data = config_and_objects(model, data, options)
     if callbacks is not None:
         from tower_train.callbacks import check_callbacks
@@ -215,12 +251,12 @@ def fit(model: object = None, data: object = None, *, num_classes: int | None = 
 
     # The chief writes the checkpoints, so it holds the train_dir for the whole run.
     with TrainDirLock(config.train_dir) if worker.is_chief else contextlib.nullcontext():
-        return _fit(config, worker, model, loss, data, num_classes, callbacks or [], metrics or [],
-                    stop, watchdog or cluster.PeerClock())
+        return _fit(config, worker, model, loss, optimizer, data, num_classes, callbacks or [],
+                    metrics or [], stop, watchdog or cluster.PeerClock())
 
 
-def _fit(config: TrainConfig, worker, model, loss, data, num_classes, callbacks, metrics, stop,
-         watchdog: cluster.PeerClock):
+def _fit(config: TrainConfig, worker, model, loss, optimizer, data, num_classes, callbacks,
+         metrics, stop, watchdog: cluster.PeerClock):
     """`fit` once the inputs are checked and the train_dir is this run's."""
     plan = prepare_devices(config)
 
@@ -239,7 +275,7 @@ def _fit(config: TrainConfig, worker, model, loss, data, num_classes, callbacks,
             config.dataset, config.data_dir, config.augment)
         source.check()
         check_input_memory(config, source, len(plan.tower_devices))
-        spec = resolve_model(model, config, num_classes, source.num_classes, loss)
+        spec = resolve_model(model, config, num_classes, source.num_classes, loss, optimizer)
     try:
         return trainer.train(config, spec, source, mode, watchdog, stop,
                              live_progress=sys.stderr.isatty(), callbacks=callbacks,

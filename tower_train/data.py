@@ -18,7 +18,13 @@ batch, and ``seeds`` (int64 [b, 2]) holds each example's stateless seed
 
 Labels are [n] or [n, ...] (for example one label per token) integers in
 ``0 .. num_classes - 1``; weights, float32 with the labels' shape, say how much
-each label counts (0 for padding); without weights every label counts 1.
+each label counts (0 for padding); without weights every label counts 1. A source
+may instead hold **targets**, as a Keras loss takes them (float labels such as one-hot
+rows or 0/1 for a sigmoid, or several arrays): its `num_classes` is None, nothing
+counts classes or precision @ 1, and its weights have the shape of the loss's output
+(`weight_shape`; [n], one per example, unless given). Features, and targets, may be
+a dict, list or tuple of arrays (a model of several inputs); each is a tf.nest
+structure whose leaves share axis 0.
 
 Sources are registered by name for ``--dataset`` with `register`;
 `tower_train.datasets` looks a name up among them and the built-in sets, which
@@ -62,15 +68,16 @@ class Source(abc.ABC):
 
     Attributes set by subclasses:
       name: for messages and the run record.
-      num_classes: labels lie in 0 .. num_classes - 1.
-      feature_spec: one raw example's features (shape without the batch axis, dtype).
-      label_spec: one example's labels.
+      num_classes: labels lie in 0 .. num_classes - 1; None for targets (module docstring).
+      feature_spec: one raw example's features (shape without the batch axis, dtype); a
+        nest of them for several inputs.
+      label_spec: one example's labels (a nest of them for targets of several arrays).
       train_size: examples in one epoch, or None when unknown (a stream of unknown length).
       preprocess: see the module docstring; None hands the features over as they are.
     """
 
     name: str
-    num_classes: int
+    num_classes: int | None
     feature_spec: tf.TensorSpec
     label_spec: tf.TensorSpec
     train_size: int | None
@@ -100,7 +107,8 @@ class Source(abc.ABC):
         def shard(positions, features, labels, weights):
             positions = positions[mine]
             seeds = tf.stack([tf.fill(tf.shape(positions), tf.constant(seed, tf.int64)), positions], -1)
-            return self.model_input(features[mine], seeds, training=True), labels[mine], weights[mine]
+            return (self.model_input(rows(features, mine), seeds, training=True), rows(labels, mine),
+                    weights[mine])
 
         with tf.device(_HOST):
             dataset = self._raw_train_batches(seed, start_position, micro_batch * num_shards)
@@ -138,10 +146,32 @@ class Source(abc.ABC):
             return features
         return self.preprocess(features, seeds, training)
 
+    @property
+    def weight_shape(self) -> tf.TensorShape:
+        """One example's weights: the labels' shape, one weight per label (a source of targets
+        says its own)."""
+        return self.label_spec.shape
+
     def example_input(self) -> tf.Tensor:
         """One all-zero example as the model takes it, [1, ...]: builds a model's variables."""
-        zeros = tf.zeros([1, *self.feature_spec.shape], self.feature_spec.dtype)
+        zeros = tf.nest.map_structure(lambda spec: tf.zeros([1, *spec.shape], spec.dtype),
+                                      self.feature_spec)
         return self.model_input(zeros, tf.zeros([1, 2], tf.int64), training=False)
+
+
+def rows(nest, index):
+    """`nest` (a tensor, or a structure of them) indexed along axis 0 by `index` (a slice)."""
+    return tf.nest.map_structure(lambda tensor: tensor[index], nest)
+
+
+def describe_nest(nest) -> str:
+    """A tensor, spec or array, or a dict, list or tuple of them, as messages give it:
+    "float32 [1, 4]", or "{'a': float32 [1, 4], 'b': int32 [1]}"."""
+    if isinstance(nest, dict):
+        return "{" + ", ".join(f"{key!r}: {describe_nest(nest[key])}" for key in sorted(nest)) + "}"
+    if isinstance(nest, (list, tuple)):
+        return "[" + ", ".join(describe_nest(item) for item in nest) + "]"
+    return f"{tf.as_dtype(nest.dtype).name} {tf.TensorShape(nest.shape).as_list()}"
 
 
 def without_autotuning(dataset: tf.data.Dataset) -> tf.data.Dataset:
@@ -178,8 +208,8 @@ def available_memory_bytes() -> int | None:
 
 def input_bytes_per_example(source: Source) -> int:
     """The bytes of one example's features as the model takes them (after preprocessing)."""
-    example = source.example_input()
-    return example.shape[1:].num_elements() * example.dtype.size
+    return sum(leaf.shape[1:].num_elements() * leaf.dtype.size
+               for leaf in tf.nest.flatten(source.example_input()))
 
 
 def check_batch_memory(per_example: int, examples: int, copies: int, what: str,
@@ -227,13 +257,16 @@ class ArraySource(Source):
 
     Args:
       train_features, train_labels: the training examples; labels integer [n] or [n, ...].
-      train_weights: float, the labels' shape, or None (every label counts 1).
+        Features may be a dict, list or tuple of arrays (several inputs); labels that are not
+        one integer array (floats, or several arrays) are targets (module docstring).
+      train_weights: float, the labels' shape ([n] for targets), or None (every label counts 1).
       eval_features, eval_labels, eval_weights: the held-out examples, the same way; None
         for no held-out set (evaluation then counts no example).
       shuffle: True: every epoch is a fresh permutation fixed by the seed; False: stream
         position p is example p mod n.
       preprocess: see the module docstring; None: the model gets the arrays as they are.
-      num_classes: labels lie in 0 .. num_classes - 1; default: one more than the largest label.
+      num_classes: labels lie in 0 .. num_classes - 1; default: one more than the largest label
+        (None for targets).
       name: for messages and the run record.
 
     The checked arrays are kept as the attributes of the same names (labels as int32,
@@ -252,37 +285,50 @@ class ArraySource(Source):
         self.shuffle = shuffle
         self.preprocess = preprocess
         train = _split_arrays("train", train_features, train_labels, train_weights)
-        if train[0].shape[0] == 0:
+        if _examples(train[0]) == 0:
             raise DataError(f"{name}: train_features holds no example; a source needs at least one")
         if (eval_features is None) != (eval_labels is None):
             raise DataError(f"{name}: give eval_features and eval_labels together, or neither")
-        held_out = (tuple(a[:0] for a in train) if eval_features is None
+        held_out = (tuple(rows(a, slice(0, 0)) for a in train) if eval_features is None
                     else _split_arrays("eval", eval_features, eval_labels, eval_weights))
         self.train_features, self.train_labels, self.train_weights = train
         self.eval_features, self.eval_labels, self.eval_weights = held_out
-        for what, train, held_out in (("features", self.train_features, self.eval_features),
-                                      ("labels", self.train_labels, self.eval_labels)):
-            if train.shape[1:] != held_out.shape[1:] or train.dtype != held_out.dtype:
-                raise DataError(f"{name}: eval_{what} are {held_out.dtype} {list(held_out.shape)}, "
-                                f"train_{what} {train.dtype} {list(train.shape)}: each example "
-                                "must have the same shape and dtype")
-        largest = max(int(labels.max()) if labels.size else -1
-                      for labels in (self.train_labels, self.eval_labels))
-        self.num_classes = largest + 1 if num_classes is None else num_classes
-        if self.num_classes < 1 or largest >= self.num_classes:
-            raise DataError(f"{name}: num_classes={self.num_classes} but the largest label is "
-                            f"{largest}; labels must lie in 0..num_classes - 1")
-        self.feature_spec = tf.TensorSpec(self.train_features.shape[1:],
-                                          tf.as_dtype(self.train_features.dtype))
-        self.label_spec = tf.TensorSpec(self.train_labels.shape[1:], tf.int32)
-        self.train_size = int(self.train_features.shape[0])
+        self.feature_spec, self.label_spec = (_example_spec(a) for a in train[:2])
+        for what, train_arrays, held_out in (("features", self.train_features, self.eval_features),
+                                             ("labels", self.train_labels, self.eval_labels)):
+            if _example_spec(train_arrays) != _example_spec(held_out):
+                raise DataError(f"{name}: eval_{what} are {describe_nest(held_out)}, train_{what} "
+                                f"{describe_nest(train_arrays)}: each example must have the same "
+                                "structure, shape and dtype")
+        self._weight_shape = tf.TensorShape(self.train_weights.shape[1:])
+        if _are_targets(self.train_labels):
+            if num_classes is not None:
+                raise DataError(f"{name}: num_classes={num_classes} is for integer class labels; "
+                                "these labels are targets (floats or several arrays)")
+            self.num_classes = None
+        else:
+            largest = max(int(labels.max()) if labels.size else -1
+                          for labels in (self.train_labels, self.eval_labels))
+            self.num_classes = largest + 1 if num_classes is None else num_classes
+            if self.num_classes < 1 or largest >= self.num_classes:
+                raise DataError(f"{name}: num_classes={self.num_classes} but the largest label is "
+                                f"{largest}; labels must lie in 0..num_classes - 1")
+        self.train_size = _examples(self.train_features)
+
+    @property
+    def weight_shape(self) -> tf.TensorShape:
+        return self._weight_shape
+
+    def stream_indices(self, positions: tf.Tensor, seed: int) -> tf.Tensor:
+        """The example index at each of the int64 stream `positions` of the run seeded `seed`."""
+        return _stream_indices(positions, seed, self.train_size, self.shuffle)
 
     def _raw_train_batches(self, seed: int, start_position: int, batch: int) -> tf.data.Dataset:
         features, labels, weights = _constants(self.train_features, self.train_labels, self.train_weights)
 
         def gather(positions):
-            indices = _stream_indices(positions, seed, self.train_size, self.shuffle)
-            return (positions, tf.gather(features, indices), tf.gather(labels, indices),
+            indices = self.stream_indices(positions, seed)
+            return (positions, _gather(features, indices), _gather(labels, indices),
                     tf.gather(weights, indices))
 
         # drop_remainder on an infinite stream only makes the static batch dimension known.
@@ -294,41 +340,98 @@ class ArraySource(Source):
         features, labels, weights = _constants(self.eval_features, self.eval_labels, self.eval_weights)
 
         def gather(indices):
-            return (indices, tf.gather(features, indices), tf.gather(labels, indices),
+            return (indices, _gather(features, indices), _gather(labels, indices),
                     tf.gather(weights, indices))
 
-        return tf.data.Dataset.range(len(self.eval_labels)).batch(batch_size).map(
+        return tf.data.Dataset.range(len(self.eval_weights)).batch(batch_size).map(
             gather, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
 
 
-def _split_arrays(split: str, features, labels, weights) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Checks one split's arrays; returns (features, labels int, weights float32, ones if None)."""
-    features, labels = np.asarray(features), np.asarray(labels)
-    if features.ndim < 1 or labels.ndim < 1 or features.shape[0] != labels.shape[0]:
-        raise DataError(f"{split}_features {list(features.shape)} and {split}_labels "
-                        f"{list(labels.shape)}: axis 0 counts the examples and must agree")
-    if not np.issubdtype(labels.dtype, np.integer):
-        raise DataError(f"{split}_labels are {labels.dtype}: class labels must be integers")
-    if labels.size and labels.min() < 0:
-        raise DataError(f"{split}_labels hold {labels.min()}: labels must be >= 0")
-    if labels.size and labels.max() > np.iinfo(np.int32).max:  # the cast below would wrap it
-        raise DataError(f"{split}_labels hold {labels.max()}: labels must fit in int32 "
-                        f"(<= {np.iinfo(np.int32).max})")
+def _split_arrays(split: str, features, labels, weights) -> tuple[object, object, np.ndarray]:
+    """Checks one split's arrays; returns (features, labels, weights float32, ones if None), the
+    features and targets as the nests of arrays they were given as, class labels as int32."""
+    features, labels = _arrays(features), _arrays(labels)
+    counts = {f"{split}_{what}{path}": shape for what, nest in (("features", features),
+                                                                ("labels", labels))
+              for path, shape in _leaf_shapes(nest)}
+    if any(not shape for shape in counts.values()) or len({shape[0] for shape in counts.values()}) > 1:
+        raise DataError(f"{' and '.join(f'{name} {shape}' for name, shape in counts.items())}: "
+                        "axis 0 counts the examples and must agree")
+    examples = next(iter(counts.values()))[0]
+    if _are_targets(labels):
+        for path, leaf in _leaves(labels):
+            if not np.issubdtype(leaf.dtype, np.number) and leaf.dtype != bool:
+                raise DataError(f"{split}_labels{path} are {leaf.dtype}: targets must be numbers")
+        weight_shape = [examples]  # one weight per example, as Keras's sample_weight
+    else:
+        if labels.size and labels.min() < 0:
+            raise DataError(f"{split}_labels hold {labels.min()}: labels must be >= 0")
+        if labels.size and labels.max() > np.iinfo(np.int32).max:  # the cast below would wrap it
+            raise DataError(f"{split}_labels hold {labels.max()}: labels must fit in int32 "
+                            f"(<= {np.iinfo(np.int32).max})")
+        labels = labels.astype(np.int32, copy=False)
+        weight_shape = list(labels.shape)
     if weights is None:
-        weights = np.ones(labels.shape, np.float32)
+        weights = np.ones(weight_shape, np.float32)
     weights = np.asarray(weights)
-    if weights.shape != labels.shape:
-        raise DataError(f"{split}_weights {list(weights.shape)}: must have the labels' shape "
-                        f"{list(labels.shape)}")
+    if list(weights.shape) != weight_shape:
+        whose = "one per example, of targets" if _are_targets(labels) else "the labels' shape"
+        raise DataError(f"{split}_weights {list(weights.shape)}: must have {whose} {weight_shape}")
     if not np.issubdtype(weights.dtype, np.number) or not np.all(np.isfinite(weights)) or (
             weights.size and weights.min() < 0):
         raise DataError(f"{split}_weights: must be finite numbers >= 0")
-    return features, labels.astype(np.int32, copy=False), weights.astype(np.float32, copy=False)
+    return features, labels, weights.astype(np.float32, copy=False)
 
 
-def _constants(*arrays: np.ndarray) -> tuple[tf.Tensor, ...]:
+def _arrays(nest):
+    """`nest` (an array, or a dict, list or tuple of them) with numpy arrays for leaves, and
+    tuples for lists (tf.data would stack a list into one tensor)."""
+    if isinstance(nest, dict):
+        return {key: _arrays(value) for key, value in nest.items()}
+    if isinstance(nest, (list, tuple)):
+        return tuple(_arrays(item) for item in nest)
+    return np.asarray(nest)
+
+
+def _leaves(nest) -> list[tuple[str, np.ndarray]]:
+    """Each leaf of a nest of arrays with its path as messages give it ("", "['a']", "[1]"), in
+    tf.nest's order (a dict's keys sorted)."""
+    return [("".join(f"[{key!r}]" for key in path), leaf) for path, leaf in _paths(nest)]
+
+
+def _paths(nest) -> list[tuple[tuple, np.ndarray]]:
+    if isinstance(nest, dict):
+        return [((key, *path), leaf) for key in sorted(nest) for path, leaf in _paths(nest[key])]
+    if isinstance(nest, (list, tuple)):
+        return [((i, *path), leaf) for i, item in enumerate(nest) for path, leaf in _paths(item)]
+    return [((), nest)]
+
+
+def _leaf_shapes(nest) -> list[tuple[str, list[int]]]:
+    return [(path, list(leaf.shape)) for path, leaf in _leaves(nest)]
+
+
+def _are_targets(labels) -> bool:
+    """Labels that are not one array of integers (class labels) are targets of a Keras loss."""
+    return tf.nest.is_nested(labels) or not np.issubdtype(labels.dtype, np.integer)
+
+
+def _examples(nest) -> int:
+    return int(tf.nest.flatten(nest)[0].shape[0])
+
+
+def _example_spec(nest):
+    """One example's TensorSpec of each leaf of a nest of arrays."""
+    return tf.nest.map_structure(lambda a: tf.TensorSpec(a.shape[1:], tf.as_dtype(a.dtype)), nest)
+
+
+def _gather(nest, indices: tf.Tensor):
+    return tf.nest.map_structure(lambda tensor: tf.gather(tensor, indices), nest)
+
+
+def _constants(*arrays) -> tuple:
     with tf.device(_HOST):
-        return tuple(tf.constant(a) for a in arrays)
+        return tuple(tf.nest.map_structure(tf.constant, a) for a in arrays)
 
 
 # --------------------------------------------------------------------------------------------------

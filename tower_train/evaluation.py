@@ -35,7 +35,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tower_train.data import RUN_OP_ERRORS, Source
+from tower_train.data import RUN_OP_ERRORS, Source, describe_nest, rows
 from tower_train.errors import TrainingError, UsageError
 from tower_train.user_code import call_user_code
 
@@ -46,7 +46,7 @@ _REPORTED = ("step", "precision", "loss")
 @dataclasses.dataclass(frozen=True)
 class Evaluation:
     """One held-out evaluation. precision, loss and metrics are None / empty when no held-out
-    label has any weight."""
+    label has any weight; precision is None for targets (no classes: data.py)."""
 
     examples: int  # held-out examples counted
     precision: float | None  # weighted precision @ 1
@@ -57,12 +57,14 @@ class Evaluation:
     def describe(self) -> str:
         """"precision @ 1 = P, loss = L[, <metric> = V ...]", as the log lines give it."""
         values = {"precision @ 1": self.precision, "loss": self.loss, **self.metrics}
-        return ", ".join(f"{name} = {value:.4f}" for name, value in values.items())
+        return ", ".join(f"{name} = {value:.4f}" for name, value in values.items()
+                         if value is not None)
 
     def scalars(self) -> dict[str, float]:
         """Its quantities by TensorBoard tag (eval_<name>)."""
-        return {"eval_precision": self.precision, "eval_loss": self.loss,
-                **{f"eval_{name}": value for name, value in self.metrics.items()}}
+        values = {"eval_precision": self.precision, "eval_loss": self.loss,
+                  **{f"eval_{name}": value for name, value in self.metrics.items()}}
+        return {tag: value for tag, value in values.items() if value is not None}
 
 
 def check_metrics(metrics: object) -> list[str | keras.metrics.Metric]:
@@ -125,13 +127,15 @@ def check_metrics_against(metrics: Sequence[keras.metrics.Metric], model, source
     """
     if not metrics:
         return
+    from tower_train.model_spec import example_labels
+
     example = call_user_code(source.example_input, f"{source.name}: preprocess")
     outputs = tf.cast(model(example, training=False), tf.float32)
-    labels = tf.zeros([1, *source.label_spec.shape], source.label_spec.dtype)
-    weights = tf.ones(labels.shape, tf.float32)
+    labels = example_labels(source)
+    weights = tf.ones([1, *source.weight_shape], tf.float32)
     for metric in metrics:
         what = (f"metrics: {metric.name}, on outputs float32 {outputs.shape.as_list()} and labels "
-                f"{labels.dtype.name} {labels.shape.as_list()}")
+                f"{describe_nest(labels)}")
         result = call_user_code(lambda: (metric.update_state(labels, outputs, sample_weight=weights),
                                          metric.result())[1], what)
         metric.reset_state()
@@ -152,14 +156,16 @@ def shard_bounds(batch: int, num_shards: int) -> list[tuple[int, int]]:
     return list(zip(cuts[:-1], cuts[1:]))
 
 
-def shard_pass(model, devices: Sequence[str], keep_outputs: bool = False) -> Callable:
+def shard_pass(model, devices: Sequence[str], keep_outputs: bool = False,
+               classes: bool = True) -> Callable:
     """A compiled (features, labels, weights) -> float64 [4]: the weight of the correct top-1
     predictions, the weight of all labels, the sum of weight x per-label loss and the sum over
     examples of the losses the call added through Keras (each a mean over its shard); with
-    `keep_outputs`, also each shard's outputs (float32; an empty shard's is [0]).
+    `keep_outputs`, also each shard's outputs (float32; an empty shard's is [0]). Without
+    `classes` (targets) no prediction is counted correct.
 
-    features [b, ...] as the model takes them, labels int [b, ...], weights float32 of the
-    labels' shape, any b >= 0. The batch is split into len(devices) shards (`shard_bounds`);
+    features [b, ...] as the model takes them, labels int [b, ...] (or targets), weights float32
+    of the labels' shape (the loss's, for targets), any b >= 0. The batch is split into len(devices) shards (`shard_bounds`);
     shard i's outputs and sums are computed on devices[i].
     """
     devices = tuple(devices)
@@ -170,19 +176,20 @@ def shard_pass(model, devices: Sequence[str], keep_outputs: bool = False) -> Cal
     # tensor-dependent Python control flow to convert.
     @tf.function(reduce_retracing=True, autograph=False)
     def run_shards(features: tf.Tensor, labels: tf.Tensor, weights: tf.Tensor):
-        batch = tf.shape(labels, out_type=tf.int64)[0]
+        batch = tf.shape(weights, out_type=tf.int64)[0]
         sums, outputs = [], []
         for i, device in enumerate(devices):
             start = i * batch // len(devices)
             end = (i + 1) * batch // len(devices)
             # Sliced where the batch is (the host), so each tower receives only its shard.
-            shard = (features[start:end], labels[start:end], weights[start:end])
+            shard = (rows(features, slice(start, end)), rows(labels, slice(start, end)),
+                     weights[start:end])
             with tf.device(device):
                 # An empty shard is not run: some kernels (oneDNN convolutions) refuse a 0-example
                 # batch. Its outputs' shape is unknown without running the model, hence [0].
                 shard_sums, shard_outputs = tf.cond(
                     end > start,
-                    lambda shard=shard, d=device: _run_on(model, *shard, d),
+                    lambda shard=shard, d=device: _run_on(model, *shard, d, classes),
                     lambda: (tf.zeros([4], tf.float64), tf.zeros([0], tf.float32)))
             sums.append(shard_sums)
             outputs.append(shard_outputs)
@@ -191,28 +198,31 @@ def shard_pass(model, devices: Sequence[str], keep_outputs: bool = False) -> Cal
     return run_shards
 
 
-# Per model: its shard passes by (devices, keep_outputs), so that a run's evaluations after its
+# Per model: its shard passes by (devices, keep_outputs, classes), so that a run's evaluations after its
 # first reuse the traced pass (tracing and a GPU's first convolutions take seconds).
 _PASSES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _traced_pass(model, devices: tuple[str, ...], keep_outputs: bool) -> Callable:
+def _traced_pass(model, devices: tuple[str, ...], keep_outputs: bool, classes: bool) -> Callable:
     passes = _PASSES.setdefault(model, {})
-    if (devices, keep_outputs) not in passes:
-        passes[devices, keep_outputs] = shard_pass(model, devices, keep_outputs)
-    return passes[devices, keep_outputs]
+    if (devices, keep_outputs, classes) not in passes:
+        passes[devices, keep_outputs, classes] = shard_pass(model, devices, keep_outputs=keep_outputs, classes=classes)
+    return passes[devices, keep_outputs, classes]
 
 
 def _run_on(model, features: tf.Tensor, labels: tf.Tensor, weights: tf.Tensor,
-            device: str) -> tuple[tf.Tensor, tf.Tensor]:
+            device: str, classes: bool) -> tuple[tf.Tensor, tf.Tensor]:
     with tf.device(device):  # again inside the branch: its ops live in their own function graph
         outputs = model(features, training=False)
-        predictions = tf.argmax(outputs, axis=-1, output_type=labels.dtype)
         losses = tf.cast(model.per_example_loss(labels, outputs), tf.float64)
         weights = tf.cast(weights, tf.float64)
-        correct = tf.reduce_sum(tf.where(tf.equal(predictions, labels), weights, tf.zeros_like(weights)))
+        correct = tf.constant(0.0, tf.float64)
+        if classes:
+            predictions = tf.argmax(outputs, axis=-1, output_type=labels.dtype)
+            correct = tf.reduce_sum(tf.where(tf.equal(predictions, labels), weights,
+                                             tf.zeros_like(weights)))
         # Each a mean over the shard's examples: times their number, a sum over them.
-        batch_losses = tf.cast(model.batch_loss(), tf.float64) * tf.cast(tf.shape(labels)[0], tf.float64)
+        batch_losses = tf.cast(model.batch_loss(), tf.float64) * tf.cast(tf.shape(weights)[0], tf.float64)
         sums = tf.stack([correct, tf.reduce_sum(weights), tf.reduce_sum(weights * losses), batch_losses])
         return sums, tf.cast(outputs, tf.float32)
 
@@ -226,7 +236,7 @@ def evaluate(model, source: Source, batch_size: int, devices: Sequence[str],
     tower `devices`, one shard each; see the module docstring. Raises TrainingError, one line,
     when the held-out data fails to be read (a corrupted or deleted file, a label out of range).
     """
-    run_shards = _traced_pass(model, tuple(devices), bool(metrics))
+    run_shards = _traced_pass(model, tuple(devices), bool(metrics), source.num_classes is not None)
     for metric in metrics:
         metric.reset_state()
     totals = np.zeros(4)  # float64: correct weight, weight, weighted loss, batch losses
@@ -235,7 +245,7 @@ def evaluate(model, source: Source, batch_size: int, devices: Sequence[str],
         for features, labels, weights in source.eval_batches(batch_size):
             if metrics:
                 sums, outputs = run_shards(features, labels, weights)
-                batch = int(labels.shape[0])
+                batch = int(weights.shape[0])
                 # The shards back in the batch's order; an empty one's [0] placeholder left out.
                 outputs = tf.concat([shard for shard, (start, end)
                                      in zip(outputs, shard_bounds(batch, len(devices)))
@@ -245,7 +255,7 @@ def evaluate(model, source: Source, batch_size: int, devices: Sequence[str],
             else:
                 sums = run_shards(features, labels, weights)
             totals += sums.numpy()
-            examples += int(labels.shape[0])
+            examples += int(weights.shape[0])
     except RUN_OP_ERRORS as e:
         raise TrainingError(f"held-out evaluation failed after {examples} examples: "
                             f"{source.describe_error(e)}") from None
@@ -254,7 +264,7 @@ def evaluate(model, source: Source, batch_size: int, devices: Sequence[str],
         return Evaluation(examples, None, None, {})
     regularization = float(model.update_regularization())
     loss = weighted_loss / weight + regularization + batch_losses / examples
-    return Evaluation(examples, float(correct / weight), float(loss),
+    return Evaluation(examples, float(correct / weight) if classes else None, float(loss),
                       {metric.name: float(metric.result()) for metric in metrics})
 
 

@@ -21,8 +21,8 @@ import tensorflow as tf
 from absl import logging
 
 from tower_train.checkpoints import model_label
-from tower_train.config import MODE_RULES, ONE_PROCESS_MODES, TrainConfig
-from tower_train.data import Source
+from tower_train.config import MODE_RULES, ONE_PROCESS_MODES, OPTIMIZERS, TrainConfig
+from tower_train.data import Source, describe_nest
 from tower_train.errors import UsageError
 from tower_train.keras_model import (KerasModel, PerLabelLoss, check_network, clone_instance,
                                      hand_back_instance, per_label_loss)
@@ -47,12 +47,15 @@ class ModelSpec:
 
     name: what the run record calls it (a registered name, or module.Class); label: what
     messages call it (--model=NAME, or model=module.Class); hand_back: the trained TowerModel
-    -> the network `TrainResult.model` holds, the user's own object.
+    -> the network `TrainResult.model` holds, the user's own object; optimizer: a Keras
+    optimizer object given to fit (a model's compile()'s), which the run trains with a fresh
+    copy of (`make_optimizer`); None: the --optimizer and learning-rate options.
     """
 
     name: str
     make: Callable[[], TowerModel]
     hand_back: Callable[[TowerModel], keras.Model] = users_network
+    optimizer: keras.optimizers.Optimizer | None = None
 
     @property
     def label(self) -> str:
@@ -60,7 +63,29 @@ class ModelSpec:
 
 
 def resolve_model(model: object, config: TrainConfig, num_classes: int | None,
-                  source_classes: int, loss: object = None) -> ModelSpec:
+                  source_classes: int | None, loss: object = None,
+                  optimizer: object = None) -> ModelSpec:
+    """`_resolve_model`'s ModelSpec, with the optimizer object `optimizer` (None: the options').
+
+    Raises:
+      UsageError: as `_resolve_model`, or an optimizer that is no keras.optimizers.Optimizer, or
+        one that accumulates gradients itself.
+    """
+    spec = _resolve_model(model, config, num_classes, source_classes, loss)
+    if optimizer is None:
+        return spec
+    if not isinstance(optimizer, keras.optimizers.Optimizer):
+        raise UsageError(f"optimizer={optimizer!r}: expected one of {', '.join(OPTIMIZERS)} or a "
+                         "keras.optimizers.Optimizer object")
+    if optimizer.gradient_accumulation_steps:
+        raise UsageError(f"optimizer={type(optimizer).__name__}(gradient_accumulation_steps="
+                         f"{optimizer.gradient_accumulation_steps}): the run accumulates micro-steps "
+                         "itself; make it without, and set accum=")
+    return dataclasses.replace(spec, optimizer=optimizer)
+
+
+def _resolve_model(model: object, config: TrainConfig, num_classes: int | None,
+                   source_classes: int | None, loss: object = None) -> ModelSpec:
     """`model` (None: --model; a registered name; a TowerModel subclass; a keras.Model instance;
     a zero-argument callable, such as a keras.Model subclass) as a ModelSpec. A registered name
     is made with `num_classes`, else the source's number of classes; a class with `num_classes`
@@ -216,7 +241,7 @@ def build_model(spec: ModelSpec, source: Source, config: TrainConfig,
         raise UsageError(f"{what}: made a {type(model).__name__}, not a tower_train.TowerModel or "
                          "a keras.Model")
     example = call_user_code(source.example_input, f"{source.name}: preprocess")
-    called = f"{what}, called on {example.dtype.name} {example.shape.as_list()}"
+    called = f"{what}, called on {describe_nest(example)}"
     logits = call_user_code(lambda: model(example, training=False), called)
     if not tf.is_tensor(logits):
         raise UsageError(f"{called}: returned a {type(logits).__name__}; call() must return one "
@@ -224,14 +249,18 @@ def build_model(spec: ModelSpec, source: Source, config: TrainConfig,
     check_logits(spec.label, logits, source)
     if not model.trainable_variables:
         raise UsageError(f"{what}: has no trainable variables, so there is nothing to train")
-    labels = tf.zeros([1, *source.label_spec.shape], source.label_spec.dtype)
+    labels = example_labels(source)
     keras_loss = model.loss_label if isinstance(model, KerasModel) else None
     loss_name = keras_loss or "per_example_loss"
     losses = call_user_code(lambda: model.per_example_loss(labels, logits),
                             f"{what}, {keras_loss}" if keras_loss else f"{what}.per_example_loss")
-    if tf.convert_to_tensor(losses).shape.as_list() != labels.shape.as_list():
-        raise UsageError(f"{what}: {loss_name} returned shape "
-                         f"{tf.convert_to_tensor(losses).shape.as_list()} for labels "
+    loss_shape = tf.convert_to_tensor(losses).shape.as_list()
+    if source.num_classes is None and loss_shape != [1, *source.weight_shape.as_list()]:
+        raise UsageError(f"{what}: {loss_name} returned shape {loss_shape} for targets "
+                         f"{describe_nest(labels)}; it must return one loss per weight of "
+                         f"{source.name}, [1, *{source.weight_shape.as_list()}] (the weights' shape)")
+    if source.num_classes is not None and loss_shape != labels.shape.as_list():
+        raise UsageError(f"{what}: {loss_name} returned shape {loss_shape} for labels "
                          f"{labels.shape.as_list()}; it must return one loss per label, the labels' "
                          "shape exactly (a [B, 1] loss for [B] labels would broadcast)")
     regularization = call_user_code(model.regularization, f"{what}.regularization()")
@@ -260,8 +289,17 @@ def build_model(spec: ModelSpec, source: Source, config: TrainConfig,
     return model
 
 
+def example_labels(source: Source):
+    """All-zero labels (or targets) of one example of `source`, [1, ...]."""
+    return tf.nest.map_structure(lambda spec: tf.zeros([1, *spec.shape], spec.dtype),
+                                 source.label_spec)
+
+
 def check_logits(label: str, logits: tf.Tensor, source: Source) -> None:
-    """Logits must be [b, *label shape, C] with C >= the source's number of classes."""
+    """Logits must be [b, *label shape, C] with C >= the source's number of classes; for targets
+    (no classes) the loss alone says what outputs it takes."""
+    if source.num_classes is None:
+        return
     shape = tf.convert_to_tensor(logits).shape.as_list()
     labels = [1, *source.label_spec.shape.as_list()]
     wanted = f"[{', '.join(map(str, labels))}, C >= {source.num_classes}]"
@@ -320,8 +358,7 @@ def check_training_pass(what: str, model: TowerModel, example: tf.Tensor, labels
     try:
         with tf.variable_creator_scope(refuse_creation):
             call_user_code(lambda: traced.get_concrete_function(example, labels),
-                           f"{what}, traced for training on {example.dtype.name} "
-                           f"{example.shape.as_list()}")
+                           f"{what}, traced for training on {describe_nest(example)}")
     except UserCodeError:
         if not created:
             raise

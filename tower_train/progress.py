@@ -39,10 +39,11 @@ def learning_rate(optimizer) -> float:
     return float(tf.convert_to_tensor(optimizer.learning_rate))
 
 
-def new_history(metric_names: Sequence[str] = ()) -> dict[str, list[float]]:
+def new_history(metric_names: Sequence[str] = (), classes: bool = True) -> dict[str, list[float]]:
     """An empty `TrainResult.history` (see the module docstring), with a key for each of the
-    held-out metrics named."""
-    return {key: [] for key in (*HISTORY_KEYS, *(f"val_{name}" for name in metric_names))}
+    held-out metrics named; without `classes` (targets: data.py) no val_precision."""
+    keys = [key for key in HISTORY_KEYS if classes or key != "val_precision"]
+    return {key: [] for key in (*keys, *(f"val_{name}" for name in metric_names))}
 
 
 class Summaries:

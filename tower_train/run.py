@@ -53,7 +53,8 @@ class TrainState:
                        aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
         with variable_scope:
             model = build_model(spec, source, config, training=True)
-            optimizer = make_optimizer(config, config.global_batch * workers, source.train_size)
+            optimizer = make_optimizer(config, config.global_batch * workers, source.train_size,
+                                       spec.optimizer)
             optimizer.build(model.trainable_variables)
             step = tf.Variable(0, name="step", **counter)
             examples_seen = tf.Variable(0, name="examples_seen", **counter)
@@ -95,12 +96,17 @@ class TrainState:
         return variables
 
 
-def make_optimizer(config: TrainConfig, global_batch: int,
-                   train_examples: int | None) -> keras.optimizers.Optimizer:
+def make_optimizer(config: TrainConfig, global_batch: int, train_examples: int | None,
+                   given: keras.optimizers.Optimizer | None = None) -> keras.optimizers.Optimizer:
     """The optimizer, its rate a schedule of the update index (`optimizer.iterations`).
 
     `global_batch` is G over all workers: it scales the rate (--scale_lr) and counts epochs.
+    `given`: an optimizer object (fit's optimizer=), of which a fresh copy is made here, in the
+    variables' scope: its class, rate or schedule and clipping (Keras clips the update's
+    gradient in `apply`); the object itself is left untouched.
     """
+    if given is not None:
+        return type(given).from_config(given.get_config())
     if config.lr_schedule == "exponential" and not train_examples:
         raise UsageError("--lr_schedule=exponential: counts epochs, but the data set does not say "
                          "how many training examples it has; give the source a train_size, or use "

@@ -49,7 +49,7 @@ from typing import Iterator, Mapping, Sequence
 import tensorflow as tf
 
 from tower_train.inner_step import Batch, BatchSpec, UpdateResult
-from tower_train.towers import (labels_per_shard, pass_seeds, regularization_gradients,
+from tower_train.towers import (labels_per_shard, pass_seeds, regularization_gradients, split_batch,
                                 seed_generator_states, tower_function)
 from tower_train.update_rule import TrainingStatistics, UpdateRule
 from tower_train.update_sums import UpdateSums
@@ -108,7 +108,7 @@ class StrategyStep:
         features, labels, weights = next(batches)
         result = UpdateResult.of(*self.finish(features, labels, weights))
         if result.applied:
-            count = labels_per_shard(labels.shape, [labels.shape[0] // self._local_replicas])[0]
+            count = labels_per_shard(weights.shape, [weights.shape[0] // self._local_replicas])[0]
             self.apply(tf.constant(count / result.total_weight, tf.float32))
         else:
             self.discard(tf.constant(int(result.decision)))
@@ -135,11 +135,11 @@ class StrategyStep:
         return True
 
     def _per_replica(self, batch: Batch) -> tf.distribute.DistributedValues:
-        shards = [tf.split(part, self._local_replicas) for part in batch]
+        replicas = self._local_replicas
+        shards = split_batch(batch, [batch[2].shape[0] // replicas] * replicas)  # by the weights
 
         def shard(context: tf.distribute.DistributedContext) -> Batch:
-            local_id = context.replica_id_in_sync_group - self._first_replica
-            return tuple(part[local_id] for part in shards)
+            return shards[context.replica_id_in_sync_group - self._first_replica]
 
         return self._strategy.experimental_distribute_values_from_function(shard)
 

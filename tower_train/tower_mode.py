@@ -261,7 +261,7 @@ class TowerStep:
                                                  strict=True)):
             with tf.device(device):  # the update's earlier micro-steps too (none at K = 1)
                 results.append(self._sums[i].plus(result) if self._sums else result)
-        counts = labels_per_shard(labels.shape, self._shard_sizes)
+        counts = labels_per_shard(weights.shape, self._shard_sizes)
         with tf.device(self._param_device):
             total_weight = tf.add_n([result.weight_sum for result in results])
             safe_weight = tf.where(total_weight > 0, total_weight, 1.0)  # W = 0 is refused below

@@ -73,8 +73,9 @@ def tower_loss_and_gradients(
     Args:
       model: the network; its variables may live on another device.
       features: this tower's shard, [b, ...], as the model takes it.
-      labels: int [b, ...] (the label shape of the data).
-      weights: float32, the labels' shape.
+      labels: int [b, ...] (the label shape of the data), or the targets of a Keras loss (a
+        tensor or a nest of them).
+      weights: float32, one per label: the labels' shape, or the loss's for targets.
       loss_scale: float32 scalar S (float16 training) or None (S = 1).
       weight_copies: None to read `model.trainable_variables`; or one variable or tensor per
         trainable variable holding its current value, which the pass reads instead (tower mode's
@@ -279,12 +280,19 @@ def combine_gradients(
 
 
 def split_batch(batch: tuple[tf.Tensor, ...], shard_sizes: Sequence[int]) -> list[tuple[tf.Tensor, ...]]:
-    """A global micro-batch (features, labels, weights), each [M, ...], as consecutive shards of
-    shard_sizes[i] examples (summing to M)."""
-    return list(zip(*(tf.split(part, list(shard_sizes)) for part in batch), strict=True))
+    """A global micro-batch (features, labels, weights), each [M, ...] (features and labels may
+    be nests of such tensors), as consecutive shards of shard_sizes[i] examples (summing to M)."""
+    return list(zip(*(_split_nest(part, shard_sizes) for part in batch), strict=True))
 
 
-def labels_per_shard(labels_shape: Sequence[int], shard_sizes: Sequence[int]) -> list[float]:
-    """c_i: the labels in shard i of a global micro-batch of labels of (static) `labels_shape`."""
-    per_example = tf.TensorShape(labels_shape[1:]).num_elements()
+def _split_nest(nest, shard_sizes: Sequence[int]) -> list:
+    pieces = [tf.split(leaf, list(shard_sizes)) for leaf in tf.nest.flatten(nest)]
+    return [tf.nest.pack_sequence_as(nest, [leaf_pieces[i] for leaf_pieces in pieces])
+            for i in range(len(shard_sizes))]
+
+
+def labels_per_shard(weights_shape: Sequence[int], shard_sizes: Sequence[int]) -> list[float]:
+    """c_i: the labels in shard i of a global micro-batch whose weights, one per label, have the
+    (static) shape `weights_shape`."""
+    per_example = tf.TensorShape(weights_shape[1:]).num_elements()
     return [size * per_example for size in shard_sizes]

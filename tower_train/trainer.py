@@ -298,7 +298,7 @@ class EvaluationHook:
         with self.watchdog.local_work():
             evaluation = evaluate(event.state.model, self.source, self.batch_size, self.devices,
                                   self.metrics)
-        if evaluation.precision is None:
+        if evaluation.loss is None:
             return
         record_evaluation(self.history, event.step, evaluation)
         self.summaries.scalars(event.step, evaluation.scalars())
@@ -312,7 +312,8 @@ class EvaluationHook:
 def record_evaluation(history: dict[str, list[float]], step: int, evaluation: Evaluation) -> None:
     """Appends an evaluation that counted some weight to `history` (progress.new_history)."""
     history["val_step"].append(step)
-    history["val_precision"].append(evaluation.precision)
+    if evaluation.precision is not None:  # None for targets, whose history has no val_precision
+        history["val_precision"].append(evaluation.precision)
     history["val_loss"].append(evaluation.loss)
     for name, value in evaluation.metrics.items():
         history[f"val_{name}"].append(value)
@@ -346,8 +347,9 @@ def _train(config: TrainConfig, spec: ModelSpec, source: Source, mode: Mode, wat
     worker, plan = mode.worker, mode.plan
     log = _worker_logger(worker)
     global_batch = config.global_batch * worker.count
+    optimizer = config.optimizer if spec.optimizer is None else type(spec.optimizer).__name__
     record = run_dir.run_record(spec.name, config.model_module, source.name, config.seed,
-                                config.optimizer, global_batch, config.ema_decay > 0)
+                                optimizer, global_batch, config.ema_decay > 0)
     checkpoints.check_same_run(config.train_dir, record)
     with watchdog.local_work():  # building and restoring: TF's collective timeout covers their waits
         run = Run.create(spec, source, mode)
@@ -363,15 +365,21 @@ def _train(config: TrainConfig, spec: ModelSpec, source: Source, mode: Mode, wat
     batches = call_user_code(run.batches, f"{source.name}: preprocess")
     log("%s", run.describe_layout())
     summaries = Summaries(config.train_dir if worker.is_chief else None)
-    history = new_history([metric.name for metric in metrics])
+    history = new_history([metric.name for metric in metrics], source.num_classes is not None)
     hooks: list[Hook] = [Progress(config, global_batch, _value(state.step), summaries, log,
                                   live_progress and worker.is_chief, history)]
     if config.eval_every:
         hooks.append(EvaluationHook(source, config.eval_batch_size, plan.tower_devices,
                                     config.eval_every, config.max_steps, summaries, log, watchdog,
                                     history, metrics, run.inner.sync_state))
-    keras_callbacks = (KerasCallbacks(callbacks, users_network(state.model), history)
-                       if callbacks else None)
+    keras_callbacks = None
+    if callbacks:
+        network = users_network(state.model)
+        # The callbacks that change the learning rate (ReduceLROnPlateau, LearningRateScheduler)
+        # read model.optimizer, which only compile() sets: the run's, set untracked, so that the
+        # checkpoint's object graph stays the same.
+        object.__setattr__(network, "optimizer", state.optimizer)
+        keras_callbacks = KerasCallbacks(callbacks, network, history)
     controller = Controller(config, state, run.inner, batches, writer, hooks, global_batch, log, stop,
                             mode.any_worker, watchdog, source.describe_error, keras_callbacks)
     if stop is not None:
@@ -402,7 +410,7 @@ def _train(config: TrainConfig, spec: ModelSpec, source: Source, mode: Mode, wat
             log("exported in %.2f s", time.perf_counter() - started)
     step = _value(state.step)
     # A callback can stop the run right after the hook evaluated.
-    if evaluation.precision is not None and history["val_step"][-1:] != [step]:
+    if evaluation.loss is not None and history["val_step"][-1:] != [step]:
         record_evaluation(history, step, evaluation)
     weights_written_by = None
     if keras_callbacks is not None:
@@ -418,7 +426,7 @@ def _train(config: TrainConfig, spec: ModelSpec, source: Source, mode: Mode, wat
             "update %d, which %s %s", weights_written_by, step, " and ".join(holders),
             "hold" if len(holders) > 1 else "holds")
     trained = "" if loss is None else f", loss = {loss:.4f}"
-    held_out = ("no held-out examples" if evaluation.precision is None
+    held_out = ("no held-out examples" if evaluation.loss is None
                 else f"held-out {evaluation.describe()} ({evaluation.examples} examples)")
     log("done: step %d%s; %s", step, trained, held_out)
     return TrainResult(step=step, loss=loss, eval_precision=evaluation.precision,

@@ -1,0 +1,398 @@
+"""`tower_train.keras.fit` (tower_train/keras.py): Keras's `Model.fit` arguments on towers. The
+trained weights equal Keras's own `fit` at batch_size x accum from the same initial weights; the
+History, the callbacks' epochs and batches and the learning rate they set; what the model is
+afterwards; bad arguments, one UsageError line each."""
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tower_train
+import tower_train.keras
+
+N, B, K = 2, 8, 2  # towers, examples per micro-step across them, micro-steps per update
+EXAMPLES, EPOCHS = 64, 2  # 4 updates of B x K = 16 examples per epoch
+LAYOUT = dict(num_gpus=N, accum=K)
+
+
+def dense(inputs, outputs: int, activation: str) -> keras.Model:
+    """A dense network of no BatchNorm and no dropout, whose result Keras's layout cannot change."""
+    several = list(inputs.values()) if isinstance(inputs, dict) else inputs
+    hidden = keras.layers.Dense(8, activation="tanh")(
+        keras.layers.Concatenate()(several) if isinstance(inputs, (dict, list)) else inputs)
+    return keras.Model(inputs, keras.layers.Dense(outputs, activation=activation)(hidden))
+
+
+def binary() -> keras.Model:
+    return dense(keras.Input((5,)), 1, "sigmoid")
+
+
+def softmax() -> keras.Model:
+    return dense(keras.Input((5,)), 3, "softmax")
+
+
+def two_inputs() -> keras.Model:
+    return dense({"a": keras.Input((4,), name="a"), "b": keras.Input((3,), name="b")}, 3, "softmax")
+
+
+def input_list() -> keras.Model:
+    return dense([keras.Input((4,)), keras.Input((3,))], 3, "softmax")
+
+
+def data(case: str, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    classes = rng.integers(0, 3, EXAMPLES)
+    if case == "binary":
+        return rng.normal(size=(EXAMPLES, 5)).astype(np.float32), classes % 2
+    if case == "softmax":  # one-hot float labels
+        return rng.normal(size=(EXAMPLES, 5)).astype(np.float32), np.eye(3, dtype=np.float32)[classes]
+    inputs = {"a": rng.normal(size=(EXAMPLES, 4)).astype(np.float32),
+              "b": rng.normal(size=(EXAMPLES, 3)).astype(np.float32)}
+    return (inputs if case == "two_inputs" else [inputs["a"], inputs["b"]]), classes
+
+
+CASES = {"binary": (binary, "binary_crossentropy", dict(class_weight={0: 1.0, 1: 3.0})),
+         "softmax": (softmax, "categorical_crossentropy", {}),
+         "two_inputs": (two_inputs, "sparse_categorical_crossentropy", {}),
+         "input_list": (input_list, "sparse_categorical_crossentropy",
+                        dict(sample_weight=np.linspace(0.0, 2.0, EXAMPLES)))}
+
+
+def compiled(make, initial, loss, metrics=()):
+    model = make()
+    model.set_weights(initial)
+    model.compile(optimizer=keras.optimizers.Adam(1e-2), loss=loss, metrics=list(metrics))
+    return model
+
+
+@pytest.mark.parametrize("case,mode", [*((case, "tower") for case in CASES),
+                                       ("two_inputs", "mirrored"), ("binary", "mirrored")])
+def test_weights_equal_kerass_fit_at_batch_size_times_accum(case, mode, tmp_path):
+    make, loss, weighting = CASES[case]
+    keras.utils.set_random_seed(3)
+    initial = make().get_weights()
+    x, y = data(case)
+    reference = compiled(make, initial, loss)
+    want = reference.fit(x, y, batch_size=B * K, epochs=EPOCHS, shuffle=False, verbose=0,
+                         **weighting)
+    model = compiled(make, initial, loss)
+    history = tower_train.keras.fit(model, x, y, batch_size=B, epochs=EPOCHS, shuffle=False,
+                                    verbose=0, mode=mode, **weighting, **LAYOUT)
+    assert np.abs(model.get_weights()[0] - initial[0]).max() > 1e-2  # it trained
+    for got, expected in zip(model.get_weights(), reference.get_weights(), strict=True):
+        np.testing.assert_allclose(got, expected, atol=1e-4)
+    assert sorted(history.history) == sorted(want.history) == ["loss"]
+    np.testing.assert_allclose(history.history["loss"], want.history["loss"], rtol=1e-4)
+    assert history.epoch == want.epoch == [0, 1] and model.history is history
+    # Afterwards the model is as Keras's fit leaves it: its optimizer holds the same state.
+    assert int(model.optimizer.iterations) == int(reference.optimizer.iterations) == 8
+    for got, expected in zip(model.optimizer.variables, reference.optimizer.variables, strict=True):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(expected), atol=1e-4)
+    assert not list(tmp_path.iterdir())  # nothing written without train_dir=
+    if weighting:  # the weights change the result, so the comparison sees how they count
+        unweighted = compiled(make, initial, loss)
+        unweighted.fit(x, y, batch_size=B * K, epochs=EPOCHS, shuffle=False, verbose=0)
+        assert np.abs(unweighted.get_weights()[0] - model.get_weights()[0]).max() > 1e-3
+
+
+def test_metrics_and_validation_are_kerass_with_kerass_names():
+    keras.utils.set_random_seed(4)
+    initial = softmax().get_weights()
+    x, y = data("softmax", seed=1)
+    options = dict(batch_size=B * K, epochs=EPOCHS, validation_split=0.25, shuffle=False, verbose=0)
+    want = compiled(softmax, initial, "categorical_crossentropy", ["accuracy"]).fit(x, y, **options)
+    model = compiled(softmax, initial, "categorical_crossentropy", ["accuracy"])
+    history = tower_train.keras.fit(model, x, y, **{**options, "batch_size": B}, **LAYOUT)
+    assert sorted(history.history) == sorted(want.history) == [
+        "accuracy", "loss", "val_accuracy", "val_loss"]
+    for key, values in want.history.items():
+        np.testing.assert_allclose(history.history[key], values, rtol=1e-4, err_msg=key)
+    # Afterwards the model evaluates at once, compiled as it was.
+    assert set(model.evaluate(x, y, verbose=0, return_dict=True)) == {"accuracy", "loss"}
+
+
+class Recorder(keras.callbacks.Callback):
+    """Every call Keras makes of a callback, with its epoch or batch and its logs' keys."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def _note(self, method, number=None, logs=None):
+        self.calls.append((method, number, sorted(logs or {})))
+
+    def on_train_begin(self, logs=None):
+        self._note("train_begin")
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._note("epoch_begin", epoch)
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self._note("batch_begin", batch)
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._note("batch_end", batch, logs)
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._note("epoch_end", epoch, logs)
+
+    def on_train_end(self, logs=None):
+        self._note("train_end")
+
+
+def learning_rate_callbacks():
+    """A schedule by epoch, and a plateau that never improves (mode="max" on a falling loss), so
+    the rate falls after every epoch but the first."""
+    return [keras.callbacks.LearningRateScheduler(lambda epoch, rate: 0.02 / (epoch + 1)),
+            keras.callbacks.ReduceLROnPlateau(monitor="loss", mode="max", factor=0.5, patience=0)]
+
+
+def test_callbacks_get_kerass_epochs_and_batches_and_set_the_rate_of_the_next_update(tmp_path):
+    keras.utils.set_random_seed(5)
+    initial = binary().get_weights()
+    x, y = data("binary", seed=2)
+    options = dict(epochs=4, initial_epoch=1, shuffle=False, verbose=0)
+    keras_recorder, recorder = Recorder(), Recorder()
+    reference = compiled(binary, initial, "binary_crossentropy")
+    want = reference.fit(x, y, batch_size=B * K, callbacks=[*learning_rate_callbacks(), keras_recorder],
+                         **options)
+    model = compiled(binary, initial, "binary_crossentropy")
+    board = keras.callbacks.TensorBoard(log_dir=str(tmp_path / "board"))
+    history = tower_train.keras.fit(model, x, y, batch_size=B,
+                                    callbacks=[*learning_rate_callbacks(), recorder, board],
+                                    **options, **LAYOUT)
+    assert recorder.calls == keras_recorder.calls
+    assert [call[:2] for call in recorder.calls[:3]] == [("train_begin", None), ("epoch_begin", 1),
+                                                         ("batch_begin", 0)]
+    assert history.epoch == want.epoch == [1, 2, 3]
+    assert sorted(history.history) == sorted(want.history) == ["learning_rate", "loss"]
+    rates = history.history["learning_rate"]
+    assert rates == want.history["learning_rate"] and rates[-1] < rates[0]
+    # The rates each epoch's updates used were the callbacks': the same weights as Keras's.
+    for got, expected in zip(model.get_weights(), reference.get_weights(), strict=True):
+        np.testing.assert_allclose(got, expected, atol=1e-4)
+    written = [path.relative_to(tmp_path / "board").parts[0]
+               for path in (tmp_path / "board").rglob("events.out.tfevents.*")]
+    assert "train" in written
+
+
+def printed(capsys, train) -> list[str]:
+    """What `train()` printed to stdout, line by line, its times and figures replaced by # (they
+    vary from run to run); progress bars redrawn in place (\\r, \\b) kept as their last state."""
+    import re
+
+    capsys.readouterr()
+    train()
+    lines = re.split(r"\n", capsys.readouterr().out)
+    lines = [re.split(r"[\r\b]+", line)[-1] for line in lines]
+    return [re.sub(r"\d+(\.\d+)?(e[-+]\d+)?", "#", line).strip() for line in lines if line.strip()]
+
+
+@pytest.mark.parametrize("verbose", [0, 1, 2, "auto"])
+def test_progress_is_printed_to_stdout_as_keras_prints_it(verbose, capsys):
+    keras.utils.set_random_seed(6)
+    initial = binary().get_weights()
+    x, y = data("binary", seed=3)
+    options = dict(epochs=2, shuffle=False, verbose=verbose, validation_split=0.25)
+    want = printed(capsys, lambda: compiled(binary, initial, "binary_crossentropy").fit(
+        x, y, batch_size=B * K, **options))
+    got = printed(capsys, lambda: tower_train.keras.fit(
+        compiled(binary, initial, "binary_crossentropy"), x, y, batch_size=B, **options, **LAYOUT))
+    assert got == want
+    assert bool(got) == (verbose != 0) and (not got or got[0] == "Epoch #/#")
+
+
+def test_bad_arguments_are_one_usage_error_line():
+    x, y = data("binary")
+    model = binary()
+    uncompiled_message = "is not compiled with a loss; call model.compile("
+    with pytest.raises(tower_train.UsageError, match=uncompiled_message.replace("(", r"\(")):
+        tower_train.keras.fit(model, x, y)
+    model.compile(optimizer="adam", loss="binary_crossentropy")
+    cases = [
+        (dict(batch_size=9, num_gpus=2), "batch_size=9: examples per micro-step across all towers, "
+                                         "so it must be a multiple of num_gpus=2"),
+        (dict(max_steps=3), "max_steps=: tower_train.keras.fit sets it from epochs and steps_per_epoch"),
+        (dict(learning_rate=0.1), "learning_rate=: tower_train.keras.fit sets it from the compiled optimizer"),
+        (dict(verbose=3), "verbose=3: must be 0, 1, 2 or 'auto'"),
+        (dict(class_weight={0: 1.0}, sample_weight=np.ones(EXAMPLES)), "sample_weight= and class_weight="),
+        (dict(sample_weight=np.ones(3)), f"sample_weight [3]: must be one weight per example, [{EXAMPLES}]"),
+        (dict(validation_split=1.5), "validation_split=1.5: must be in [0, 1)"),
+        (dict(validation_data=[x, y]), "validation_data=list: expected a tuple (x, y)"),
+        (dict(shuffle="batch"), "shuffle='batch': must be True or False"),
+        (dict(x=(batch for batch in [(x, y)]), y=None), "x=generator: tower_train.keras.fit takes "
+         "numpy arrays"),
+        (dict(x=tf.data.Dataset.from_tensor_slices((x, y)).batch(B), y=None, batch_size=B),
+         "batch_size=: not with x=Dataset, whose elements give the batches"),
+        (dict(x=tf.data.Dataset.from_tensor_slices((x, y)).batch(B).repeat(), y=None),
+         "x=Dataset: is infinite"),
+        (dict(x=tf.data.Dataset.from_tensor_slices((x[:4], y[:4])).batch(4).concatenate(
+            tf.data.Dataset.from_tensor_slices((x, y)).batch(8)), y=None),
+         "x=Dataset: its batches hold 4, 8, 8, 8, 8, 8, 8, 8, ... examples: each step's batch must "
+         "be full but the last"),
+        (dict(y=None), "x and y: tower_train.keras.fit needs both"),
+    ]
+    for change, message in cases:
+        arguments = {"x": x, "y": y, **change}
+        with pytest.raises(tower_train.UsageError) as excinfo:
+            tower_train.keras.fit(model, **arguments)
+        assert message in str(excinfo.value) and "\n" not in str(excinfo.value), (change, excinfo.value)
+    # A loss Keras reduces otherwise than over the batch's size.
+    model.compile(optimizer="adam", loss=keras.losses.BinaryCrossentropy(reduction="sum"))
+    with pytest.raises(tower_train.UsageError, match="takes Keras's default reduction"):
+        tower_train.keras.fit(model, x, y)
+
+
+def test_the_readme_keras_io_script_runs_with_its_one_changed_call(tmp_path):
+    """keras-io's MNIST convnet as README.md gives it: exits 0, its History keyed as Keras's."""
+    import subprocess
+    import sys
+
+    from test_models import python_block
+
+    script = python_block("README.md", "## Keras users: `tower_train.keras.fit`")
+    assert "tower_train.keras.fit(model, x_train, y_train, batch_size=batch_size" in script
+    (tmp_path / "mnist_convnet.py").write_text(script)
+    result = subprocess.run([sys.executable, "mnist_convnet.py"], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "History: ['accuracy', 'loss', 'val_accuracy', 'val_loss']" in result.stdout, result.stdout
+    assert "Epoch 2/2" in result.stdout and "Test accuracy:" in result.stdout
+    assert list(tmp_path.iterdir()) == [tmp_path / "mnist_convnet.py"]  # no checkpoints left
+
+
+def test_batchnorm_is_said_to_normalize_each_towers_share(caplog):
+    x, y = data("binary")
+    model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(4),
+                              keras.layers.BatchNormalization(name="norm"),
+                              keras.layers.Dense(1, activation="sigmoid")])
+    model.compile(optimizer="sgd", loss="binary_crossentropy")
+    tower_train.keras.fit(model, x, y, batch_size=B, steps_per_epoch=1, verbose=0, **LAYOUT)
+    warnings = [record.getMessage() for record in caplog.records if record.levelname == "WARNING"]
+    assert any("norm normalizes each tower's micro-batch of batch_size / num_gpus examples"
+               in warning for warning in warnings), warnings
+    caplog.clear()  # one tower, one micro-step: the same as Keras's fit, so nothing is said
+    tower_train.keras.fit(model, x, y, batch_size=B, steps_per_epoch=1, verbose=0, num_gpus=1)
+    assert not [record for record in caplog.records if "normalizes" in record.getMessage()]
+
+
+class Batches(keras.utils.PyDataset):
+    """Keras's PyDataset of the arrays in batches of `size`."""
+
+    def __init__(self, x, y, size):
+        super().__init__()
+        self.x, self.y, self.size = x, y, size
+
+    def __len__(self):
+        return len(self.y) // self.size
+
+    def __getitem__(self, index):
+        rows = slice(index * self.size, (index + 1) * self.size)
+        return self.x[rows], self.y[rows]
+
+
+def test_a_py_dataset_trains_as_keras_fit_on_its_batches():
+    keras.utils.set_random_seed(10)
+    initial = binary().get_weights()
+    x, y = data("binary", seed=7)
+    reference = compiled(binary, initial, "binary_crossentropy")
+    reference.fit(Batches(x, y, B * K), epochs=EPOCHS, shuffle=False, verbose=0)
+    model = compiled(binary, initial, "binary_crossentropy")
+    tower_train.keras.fit(model, Batches(x, y, B), epochs=EPOCHS, shuffle=False, verbose=0, **LAYOUT)
+    for got, expected in zip(model.get_weights(), reference.get_weights(), strict=True):
+        np.testing.assert_allclose(got, expected, atol=1e-4)
+
+
+def test_a_batched_dataset_trains_as_keras_fit_on_its_batches(tmp_path):
+    """Its elements are the micro-steps' batches (here of B), accum of them an update: Keras's
+    fit on the same dataset batched by B x K, the validation a dataset too."""
+    keras.utils.set_random_seed(7)
+    initial = softmax().get_weights()
+    x, y = data("softmax", seed=4)
+    held_out = tf.data.Dataset.from_tensor_slices((x[:16], y[:16])).batch(4)
+    reference = compiled(softmax, initial, "categorical_crossentropy", ["accuracy"])
+    want = reference.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(B * K), epochs=EPOCHS,
+                         validation_data=held_out, verbose=0)
+    model = compiled(softmax, initial, "categorical_crossentropy", ["accuracy"])
+    history = tower_train.keras.fit(model, tf.data.Dataset.from_tensor_slices((x, y)).batch(B),
+                                    epochs=EPOCHS, validation_data=held_out, verbose=0, **LAYOUT)
+    for got, expected in zip(model.get_weights(), reference.get_weights(), strict=True):
+        np.testing.assert_allclose(got, expected, atol=1e-4)
+    assert sorted(history.history) == sorted(want.history)
+    for key, values in want.history.items():
+        np.testing.assert_allclose(history.history[key], values, rtol=1e-4, err_msg=key)
+
+
+def test_checkpoints_early_stopping_and_csv_are_kerass(tmp_path):
+    """ModelCheckpoint, EarlyStopping and CSVLogger see Keras's epochs: the same files and rows,
+    the same last epoch, as on Keras's own fit."""
+    keras.utils.set_random_seed(8)
+    initial = binary().get_weights()
+    x, y = data("binary", seed=5)
+
+    def callbacks(directory):
+        directory.mkdir()
+        # Never better (mode="max" on a falling loss): stops after its second epoch.
+        return [keras.callbacks.ModelCheckpoint(str(directory / "model_{epoch}.keras")),
+                keras.callbacks.EarlyStopping(monitor="loss", mode="max", patience=1),
+                keras.callbacks.CSVLogger(str(directory / "log.csv"))]
+
+    options = dict(epochs=5, shuffle=False, verbose=0)
+    want = compiled(binary, initial, "binary_crossentropy").fit(
+        x, y, batch_size=B * K, callbacks=callbacks(tmp_path / "keras"), **options)
+    model = compiled(binary, initial, "binary_crossentropy")
+    history = tower_train.keras.fit(model, x, y, batch_size=B, callbacks=callbacks(tmp_path / "ours"),
+                                    **options, **LAYOUT)
+    assert history.epoch == want.epoch == [0, 1]
+    assert sorted(p.name for p in (tmp_path / "ours").iterdir()) == sorted(
+        p.name for p in (tmp_path / "keras").iterdir()) == ["log.csv", "model_1.keras", "model_2.keras"]
+    rows = [(tmp_path / name / "log.csv").read_text().splitlines() for name in ("ours", "keras")]
+    assert [row.split(",")[0] for row in rows[0]] == [row.split(",")[0] for row in rows[1]]
+    saved = keras.saving.load_model(tmp_path / "ours" / "model_2.keras", compile=False)
+    for got, expected in zip(saved.get_weights(), model.get_weights(), strict=True):
+        np.testing.assert_array_equal(got, expected)
+
+
+class StopAfter(keras.callbacks.Callback):
+    """Stops the run after the batch numbered `batch` of the first epoch."""
+
+    def __init__(self, batch: int):
+        super().__init__()
+        self.batch = batch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == self.batch:
+            self.model.stop_training = True
+
+
+def test_a_train_dir_keeps_checkpoints_and_a_rerun_resumes_there(tmp_path):
+    keras.utils.set_random_seed(9)
+    initial = softmax().get_weights()
+    x, y = data("softmax", seed=6)
+    options = dict(batch_size=B, epochs=EPOCHS, shuffle=False, verbose=0, **LAYOUT)
+    straight = compiled(softmax, initial, "categorical_crossentropy")
+    tower_train.keras.fit(straight, x, y, **options)
+    model = compiled(softmax, initial, "categorical_crossentropy")
+    stopped = tower_train.keras.fit(model, x, y, callbacks=[StopAfter(1)], train_dir=tmp_path,
+                                    **options)
+    assert stopped.epoch == [] and int(model.optimizer.iterations) == 2  # within epoch 0
+    assert (tmp_path / "ckpt-2.index").exists()
+    resumed = tower_train.keras.fit(compiled(softmax, initial, "categorical_crossentropy"), x, y,
+                                    train_dir=tmp_path, **options)
+    assert resumed.epoch == [0, 1] and int(resumed.model.optimizer.iterations) == 8
+    for got, expected in zip(resumed.model.get_weights(), straight.get_weights(), strict=True):
+        np.testing.assert_allclose(got, expected, atol=1e-6)
+
+
+def test_a_second_fit_continues_the_optimizers_state_as_kerass_does():
+    keras.utils.set_random_seed(11)
+    initial = softmax().get_weights()
+    x, y = data("softmax", seed=8)
+    reference = compiled(softmax, initial, "categorical_crossentropy")
+    model = compiled(softmax, initial, "categorical_crossentropy")
+    for _ in range(2):  # Adam's moments and iterations go on in the second call
+        reference.fit(x, y, batch_size=B * K, shuffle=False, verbose=0)
+        tower_train.keras.fit(model, x, y, batch_size=B, shuffle=False, verbose=0, **LAYOUT)
+    assert int(model.optimizer.iterations) == int(reference.optimizer.iterations) == 8
+    for got, expected in zip(model.get_weights(), reference.get_weights(), strict=True):
+        np.testing.assert_allclose(got, expected, atol=1e-4)

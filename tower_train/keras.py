@@ -1,0 +1,440 @@
+"""`tower_train.keras.fit(model, ...)`: Keras's `Model.fit`, with its arguments and their meanings,
+trained by `tower_train.fit` on towers with gradient accumulation.
+
+    model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="binary_crossentropy",
+                  metrics=["accuracy"])
+    history = tower_train.keras.fit(model, x, y, batch_size=64, epochs=3, validation_split=0.2,
+                                    class_weight={0: 1.0, 1: 4.0}, num_gpus=2, accum=2)
+
+It is a translation, not a second trainer: Keras's arguments become `tower_train.fit`'s data
+(an `ArraySource` of targets), loss, optimizer object and options, and one Keras callback of its
+own (`_KerasFitLoop`) turns the run's updates into Keras's epochs and batches for the user's
+callbacks, the History and the progress bar. docs/keras.md maps every argument:
+
+- `batch_size` is examples per micro-step across all towers (each tower takes batch_size / N);
+  an update covers G = batch_size x accum examples, as Keras's fit at batch_size x accum, and a
+  step, as Keras counts it, is one update: an epoch is ceil(n / G) updates.
+- The loss is the compiled loss as Keras computes it over one batch of G: sample_weight and
+  class_weight multiply each example's loss, the sum is divided by the number of losses (Keras's
+  "sum_over_batch_size"), the model's regularization losses are added once. The weights travel
+  with the targets (as `(y, sample_weight)`) so that the run's weighted mean, with every example
+  weighing 1, is that quotient.
+- The optimizer is a copy of the compiled one (its rate or schedule, its clipping); afterwards
+  the model holds the trained weights and its own optimizer holds the run's state, so that
+  `evaluate`, `predict` and `save` work at once.
+- Metrics are the compiled ones, computed by the model's own `compute_metrics`: on each update's
+  examples with the weights the update started from (in inference mode), and on the validation
+  data by the model's own `evaluate` at the end of each validated epoch; History's keys are
+  Keras's (loss, the metrics' names, val_*).
+- Checkpoints only when `train_dir=` is given; otherwise a temporary one, removed at the end, so
+  a rerun trains afresh.
+"""
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import tempfile
+from typing import Any
+
+import keras
+import numpy as np
+import tensorflow as tf
+from absl import logging
+
+from tower_train import api
+from tower_train.callbacks import check_callbacks
+from tower_train.config import TrainConfig
+from tower_train.data import ArraySource
+from tower_train.errors import UsageError
+from tower_train.keras_model import per_label_loss
+
+# The options this module sets from Keras's arguments and compile(), and where each comes from.
+_SET_HERE = {
+    "max_steps": "epochs and steps_per_epoch", "eval_every": "validation_data and validation_freq",
+    "optimizer": "model.compile(optimizer=...)", "learning_rate": "the compiled optimizer",
+    "lr_schedule": "the compiled optimizer", "warmup_steps": "the compiled optimizer",
+    "scale_lr": "the compiled optimizer", "model": "the model argument",
+    "dataset": "x and y", "data_dir": "x and y", "augment": "x and y", "data_module": "x and y",
+    "model_module": "the model argument",
+}
+_VERBOSE = (0, 1, 2, "auto")
+DEFAULT_BATCH_SIZE = 32  # Keras's
+
+
+def fit(model: keras.Model, x: Any = None, y: Any = None, batch_size: int | None = None,
+        epochs: int = 1, verbose: int | str = "auto",
+        callbacks: list[keras.callbacks.Callback] | None = None, validation_split: float = 0.0,
+        validation_data: Any = None, shuffle: bool = True, class_weight: dict | None = None,
+        sample_weight: np.ndarray | None = None, initial_epoch: int = 0,
+        steps_per_epoch: int | None = None, validation_steps: int | None = None,
+        validation_freq: int = 1, *, num_gpus: int = 1, accum: int = 1,
+        **options) -> keras.callbacks.History:
+    """Trains the compiled `model` as `model.fit` with these arguments would, on `num_gpus`
+    towers accumulating `accum` micro-steps per update (module docstring; docs/keras.md).
+
+    Args:
+      model: a compiled keras.Model (not a tower_train.TowerModel); it gets the trained weights.
+      x, y, batch_size, epochs, verbose, callbacks, validation_split, validation_data, shuffle,
+        class_weight, sample_weight, initial_epoch, steps_per_epoch, validation_steps,
+        validation_freq: Keras's (x and y numpy arrays; x may be a dict, list or tuple of them);
+        batch_size counts the examples of one micro-step across all towers.
+      num_gpus, accum: the towers N and the micro-steps K of each update.
+      **options: any other option of `tower_train.fit` (train_dir, mode, ps_device, seed, ...).
+
+    Returns:
+      The `keras.callbacks.History` of the epochs trained (also `model.history`).
+
+    Raises:
+      UsageError: in one line, an argument Keras would refuse or this does not take yet, or a
+        model that is not compiled. TrainingError: as `tower_train.fit`.
+    """
+    verbose = _check_arguments(model, verbose, epochs, initial_epoch, validation_freq, shuffle,
+                               options)
+    if isinstance(x, (tf.data.Dataset, keras.utils.PyDataset)):
+        if isinstance(x, keras.utils.PyDataset) and shuffle:
+            logging.warning("tower_train.keras.fit: %s is trained in its own order of batches every "
+                            "epoch; Keras's fit with shuffle=True would shuffle them",
+                            type(x).__name__)
+        x, y, sample_weight, batch_size = _read_dataset(x, y, sample_weight, batch_size,
+                                                        validation_split)
+        shuffle = False  # a dataset's order is its own
+    batch_size = DEFAULT_BATCH_SIZE if batch_size is None else batch_size
+    for name, value, least in (("batch_size", batch_size, 1), ("num_gpus", num_gpus, 0),
+                               ("accum", accum, 1)):
+        _whole_number(name, value, least)
+    towers = max(num_gpus, 1)
+    if batch_size % towers:
+        raise UsageError(f"batch_size={batch_size}: examples per micro-step across all towers, so "
+                         f"it must be a multiple of num_gpus={num_gpus} (each tower takes "
+                         "batch_size / num_gpus)")
+    (features, targets, weights), held_out = _split_data(
+        x, y, sample_weight, class_weight, validation_split, validation_data)
+    source = ArraySource(features, (targets, weights), shuffle=shuffle, name="arrays")
+    update_examples = batch_size * accum
+    per_epoch = steps_per_epoch
+    if steps_per_epoch is None:
+        per_epoch = math.ceil(source.train_size / update_examples)
+    _whole_number("steps_per_epoch", per_epoch, 1)
+    loop = _KerasFitLoop(model, callbacks, verbose, epochs, initial_epoch, per_epoch, held_out,
+                         validation_freq, validation_steps, batch_size, source,
+                         options.get("seed", TrainConfig.seed), update_examples)
+    if epochs <= initial_epoch:  # as Keras: nothing to train
+        loop.list.on_train_begin()
+        loop.list.on_train_end()
+        return loop.history
+    _warn_differences(model, towers, accum, options)
+    given_dir = options.pop("train_dir", None)
+    train_dir = given_dir if given_dir is not None else tempfile.mkdtemp(prefix="tower_train_keras_")
+    options.setdefault("ema_decay", 0.0)  # Keras keeps no moving average
+    if given_dir is None:  # nothing resumes from it: only the save at the end, which is required
+        options.setdefault("checkpoint_every", (epochs - initial_epoch) * per_epoch)
+    try:
+        first = tf.nest.map_structure(lambda a: a[:1], (features, targets))
+        api.fit(model=model, loss=CompiledLoss(model, *first), optimizer=model.optimizer, data=source,
+                callbacks=[loop], num_gpus=num_gpus, accum=accum, batch_size=batch_size // towers,
+                max_steps=(epochs - initial_epoch) * per_epoch, train_dir=train_dir, **options)
+    finally:
+        if given_dir is None:
+            shutil.rmtree(train_dir, ignore_errors=True)
+    loop.hand_back_optimizer()
+    return loop.history
+
+
+def _check_arguments(model, verbose, epochs, initial_epoch, validation_freq, shuffle,
+                     options: dict) -> int:
+    """The checks that need no data; returns verbose as 0, 1 or 2."""
+    from tower_train.models import TowerModel
+
+    if not isinstance(model, keras.Model) or isinstance(model, TowerModel):
+        raise UsageError(f"model={type(model).__name__}: tower_train.keras.fit takes a compiled "
+                         "keras.Model (for a tower_train.TowerModel use tower_train.fit)")
+    if not getattr(model, "compiled", False) or model.loss is None:
+        raise UsageError(f"model {model.name}: is not compiled with a loss; call model.compile("
+                         "optimizer=..., loss=...) first, as for model.fit")
+    if isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer):
+        raise UsageError(f"model {model.name}: its optimizer is a LossScaleOptimizer (a "
+                         f"{model.dtype_policy.name} policy), whose loss scale the run would not "
+                         "apply; compile it under float32, or train with tower_train.fit(model="
+                         "lambda: ..., precision='fp16'), which scales the loss once per update")
+    for name in options:
+        if name in _SET_HERE:
+            raise UsageError(f"{name}=: tower_train.keras.fit sets it from {_SET_HERE[name]}; "
+                             "leave it out")
+    if verbose not in _VERBOSE or isinstance(verbose, bool):
+        raise UsageError(f"verbose={verbose!r}: must be 0, 1, 2 or 'auto', as for model.fit")
+    for name, value, least in (("epochs", epochs, 0), ("initial_epoch", initial_epoch, 0),
+                               ("validation_freq", validation_freq, 1)):
+        _whole_number(name, value, least)
+    if not isinstance(shuffle, bool):
+        raise UsageError(f"shuffle={shuffle!r}: must be True or False (tower_train.keras.fit "
+                         "shuffles every epoch or not at all)")
+    return 1 if verbose == "auto" else verbose
+
+
+def _whole_number(name: str, value: object, least: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < least:
+        raise UsageError(f"{name}={value!r}: must be a whole number >= {least}")
+
+
+def _read_dataset(dataset: tf.data.Dataset | keras.utils.PyDataset, y, sample_weight, batch_size,
+                  validation_split):
+    """A finite `tf.data.Dataset` or `keras.utils.PyDataset` of batches (x, y) or
+    (x, y, sample_weight), one step's each, read once into arrays: (x, y, sample_weight or None,
+    its batch size)."""
+    kind = "Dataset" if isinstance(dataset, tf.data.Dataset) else type(dataset).__name__
+    for name, value in (("y", y), ("sample_weight", sample_weight), ("batch_size", batch_size),
+                        ("validation_split", validation_split or None)):
+        if value is not None:
+            raise UsageError(f"{name}=: not with x={kind}, whose elements give the batches "
+                             "(x, y[, sample_weight]), as for model.fit")
+    if isinstance(dataset, tf.data.Dataset):
+        finite = dataset.cardinality() != tf.data.INFINITE_CARDINALITY
+        read = lambda: list(dataset.as_numpy_iterator())  # noqa: E731
+    else:
+        finite = dataset.num_batches is not None
+        read = lambda: [tf.nest.map_structure(np.asarray, dataset[index])  # noqa: E731
+                        for index in range(dataset.num_batches)]
+    if not finite:
+        raise UsageError(f"x={kind}: is infinite; tower_train.keras.fit reads it once, into "
+                         "memory, so it must end")
+    elements = [tuple(element) if isinstance(element, list) else element for element in read()]
+    if not elements or not isinstance(elements[0], tuple) or len(elements[0]) not in (2, 3):
+        raise UsageError(f"x={kind}: expected batches (x, y) or (x, y, sample_weight), one per "
+                         "step; it yields " + ("nothing" if not elements else
+                                               type(elements[0]).__name__))
+    sizes = [len(tf.nest.flatten(element)[0]) for element in elements]
+    if any(size != sizes[0] for size in sizes[:-1]) or sizes[-1] > sizes[0]:
+        raise UsageError(f"x={kind}: its batches hold {', '.join(map(str, sizes[:8]))}"
+                         f"{', ...' if len(sizes) > 8 else ''} examples: each step's batch must be "
+                         "full but the last (batch(..., drop_remainder=False) gives that)")
+    arrays = tf.nest.map_structure(lambda *parts: np.concatenate(parts), *elements)
+    return arrays[0], arrays[1], arrays[2] if len(arrays) == 3 else None, sizes[0]
+
+
+def _split_data(x, y, sample_weight, class_weight, validation_split, validation_data):
+    """((x, y, w) to train on, (x, y, w) held out or None) from Keras's data arguments; w is the
+    float32 weight of each example, sample_weight times class_weight's (ones without either)."""
+    if x is not None and not isinstance(x, (np.ndarray, dict, list, tuple)) and not tf.is_tensor(x):
+        raise UsageError(f"x={type(x).__name__}: tower_train.keras.fit takes numpy arrays, or a "
+                         "dict, list or tuple of them, with y, or a batched tf.data.Dataset or a "
+                         "keras.utils.PyDataset (not a generator, which cannot be read again for "
+                         "another epoch or a resume: read it into arrays)")
+    if x is None or y is None:
+        raise UsageError("x and y: tower_train.keras.fit needs both, as numpy arrays")
+    x, y = (tf.nest.map_structure(np.asarray, value) for value in (x, y))
+    if tf.nest.is_nested(y) and class_weight is not None:
+        raise UsageError("class_weight=: Keras takes it only for a model of one output")
+    if sample_weight is not None and class_weight is not None:
+        raise UsageError("sample_weight= and class_weight=: Keras takes one or the other, not both")
+    examples = int(tf.nest.flatten(x)[0].shape[0])
+    weights = np.ones(examples, np.float32)
+    if sample_weight is not None:
+        weights = np.asarray(sample_weight, np.float32)
+        if weights.shape != (examples,):
+            raise UsageError(f"sample_weight {list(weights.shape)}: must be one weight per example, "
+                             f"[{examples}]")
+    if class_weight is not None:
+        if not isinstance(class_weight, dict):
+            raise UsageError(f"class_weight={type(class_weight).__name__}: expected a dict of class "
+                             "index -> weight")
+        weights = _class_weights(y, class_weight)
+    if not 0.0 <= validation_split < 1.0:
+        raise UsageError(f"validation_split={validation_split!r}: must be in [0, 1)")
+    held_out = None
+    if isinstance(validation_data, tf.data.Dataset):
+        held_out = (validation_data, None, None)  # the model's evaluate reads it as it is
+    elif validation_data is not None:
+        if not isinstance(validation_data, tuple) or len(validation_data) not in (2, 3):
+            raise UsageError(f"validation_data={type(validation_data).__name__}: expected a tuple "
+                             "(x, y) or (x, y, sample_weight) of numpy arrays, or a tf.data.Dataset")
+        held_out = (*validation_data, None)[:3]
+    elif validation_split:
+        # Keras's: the last fraction of the arrays, before any shuffling.
+        cut = int(math.floor(examples * (1.0 - validation_split)))
+        if cut in (0, examples):
+            raise UsageError(f"validation_split={validation_split}: leaves no example to "
+                             f"{'train on' if cut == 0 else 'validate'} of {examples}")
+        part = lambda nest, rows: tf.nest.map_structure(lambda a: a[rows], nest)  # noqa: E731
+        held_out = (part(x, slice(cut, None)), part(y, slice(cut, None)), weights[cut:]
+                    if sample_weight is not None else None)
+        x, y, weights = part(x, slice(None, cut)), part(y, slice(None, cut)), weights[:cut]
+    return (x, y, weights), held_out
+
+
+def _class_weights(y: np.ndarray, class_weight: dict) -> np.ndarray:
+    """Each example's weight from its class, as Keras finds it: the argmax of a one-hot row, the
+    value of a [n, 1] or [n] label, rounded."""
+    classes = y if y.ndim == 1 else (np.argmax(y, axis=-1) if y.shape[-1] != 1 else y[:, 0])
+    classes = np.round(classes).astype(np.int64)
+    return np.array([class_weight.get(int(c), 1.0) for c in classes], np.float32)
+
+
+class CompiledLoss:
+    """The model's compiled loss (one output) as the per-example loss of `tower_train.fit`, for
+    targets `(y, sample_weight)`: the Keras loss with reduction none and the sample weights, as
+    Keras weighs them, then each example's mean over its other axes, times compile()'s
+    loss_weights. With every example weighing 1 in the run, an update's weighted mean of these
+    is Keras's "sum_over_batch_size" of the whole update's losses."""
+
+    def __init__(self, model: keras.Model, features: Any, targets: Any):
+        """`features` and `targets`: the first examples, which tell the "crossentropy" alias
+        which crossentropy it is, as compile() tells it from the first batch."""
+        from keras.src.trainers.compile_utils import get_loss  # compile()'s own resolution
+
+        loss = model.loss
+        if isinstance(loss, (dict, list, tuple)):
+            raise UsageError(f"model {model.name}: is compiled with a loss per output; "
+                             "tower_train.keras.fit takes one loss, for one output, so far")
+        # A name or a function becomes the Loss object compile() makes of it (LossFunctionWrapper,
+        # which brings labels and outputs to the same rank: [n] labels for [n, 1] sigmoids).
+        loss = get_loss(loss, targets, model(features, training=False))
+        if loss.reduction != "sum_over_batch_size":
+            raise UsageError(f"loss={type(loss).__name__}(reduction={loss.reduction!r}): "
+                             "tower_train.keras.fit takes Keras's default reduction, "
+                             "'sum_over_batch_size'")
+        self._unreduced = per_label_loss(loss)[0]
+        weight = model.get_compile_config().get("loss_weights")
+        self._weight = 1.0 if weight is None else float(weight)
+
+    def __call__(self, targets: tuple[Any, tf.Tensor], outputs: tf.Tensor) -> tf.Tensor:
+        y, sample_weight = targets
+        losses = tf.convert_to_tensor(self._unreduced(y, outputs, sample_weight=sample_weight))
+        if losses.shape.rank > 1:
+            losses = tf.reduce_mean(losses, axis=list(range(1, losses.shape.rank)))
+        return losses * self._weight
+
+
+def _warn_differences(model: keras.Model, towers: int, accum: int, options: dict) -> None:
+    """One line for each way the result will differ from Keras's fit at batch_size x accum."""
+    if (towers != 1 or accum != 1) and not options.get("sync_bn"):
+        normalizing = [layer.name for layer in model._flatten_layers()  # every nested layer
+                       if isinstance(layer, keras.layers.BatchNormalization)]
+        if normalizing:
+            logging.warning("tower_train.keras.fit: %s normalizes each tower's micro-batch of "
+                            "batch_size / num_gpus examples, not the update's batch_size x accum "
+                            "as Keras's fit would (docs/batchnorm.md)", ", ".join(normalizing))
+
+
+def _copy_state(values: list[np.ndarray], optimizer: keras.optimizers.Optimizer) -> None:
+    """`values`, the variables of an optimizer of the same class and config built on the same
+    weights, into `optimizer`'s."""
+    if len(optimizer.variables) != len(values):
+        raise UsageError(f"optimizer {optimizer.name}: holds {len(optimizer.variables)} variables "
+                         f"where its copy holds {len(values)}; the state cannot be copied")
+    for variable, value in zip(optimizer.variables, values, strict=True):
+        variable.assign(value)
+
+
+class _KerasFitLoop(keras.callbacks.Callback):
+    """The one callback `tower_train.fit` is given: it tells the user's callbacks, the History and
+    Keras's progress bar (a `keras.callbacks.CallbackList`) of epochs and batches as Keras's fit
+    does, an update being one step, and computes the compiled metrics and the validation.
+
+    Its model (`set_model`) is the network the run trains, whose `optimizer` is the run's; the
+    user's callbacks see that network. The user's own model computes the metrics.
+    """
+
+    def __init__(self, model: keras.Model, callbacks, verbose: int, epochs: int, initial_epoch: int,
+                 per_epoch: int, held_out, validation_freq: int, validation_steps: int | None,
+                 batch_size: int, source: ArraySource, seed: int, update_examples: int):
+        super().__init__()
+        user_callbacks = [] if callbacks is None else check_callbacks(callbacks)
+        self.history = keras.callbacks.History()
+        self.list = keras.callbacks.CallbackList(
+            [*user_callbacks, self.history], add_history=False, add_progbar=verbose != 0,
+            model=model, verbose=verbose, epochs=epochs, steps=per_epoch)
+        self._user_model, self._initial_epoch, self._per_epoch = model, initial_epoch, per_epoch
+        self._held_out, self._validation_freq = held_out, validation_freq
+        self._validation_steps, self._batch_size = validation_steps, batch_size
+        self._source, self._seed, self._update_examples = source, seed, update_examples
+        self._loss_sum = 0.0  # of the updates of this epoch that this call applied
+        self._epoch_updates: int | None = None  # those updates; None between epochs
+        self._optimizer_state: list[np.ndarray] | None = None
+
+    def set_model(self, model: keras.Model) -> None:
+        super().set_model(model)
+        self.list.set_model(model)
+
+    def _place(self, step: int) -> tuple[int, int]:
+        """Keras's (epoch, batch) of update `step` (1-based)."""
+        return self._initial_epoch + (step - 1) // self._per_epoch, (step - 1) % self._per_epoch
+
+    def on_train_begin(self, logs=None) -> None:
+        """Before the first update: a fresh run's optimizer continues the state of the model's
+        own optimizer when it has trained before, as Keras's next fit would (a run resumed from
+        its train_dir keeps the checkpoint's)."""
+        own, run = self._user_model.optimizer, self.model.optimizer
+        if own.built and int(run.iterations) == 0:
+            _copy_state([v.numpy() for v in own.variables], run)
+        self.list.on_train_begin()
+
+    def on_train_batch_begin(self, step: int, logs=None) -> None:
+        epoch, batch = self._place(step)
+        if self._epoch_updates is None:  # its first update, or the first after resuming in it
+            self._loss_sum, self._epoch_updates = 0.0, 0
+            self._user_model.reset_metrics()
+            self.list.on_epoch_begin(epoch)
+        self._update_metrics(step - 1)
+        self.list.on_train_batch_begin(batch)
+
+    def on_train_batch_end(self, step: int, logs=None) -> None:
+        epoch, batch = self._place(step)
+        self._loss_sum += logs["loss"]
+        self._epoch_updates += 1
+        epoch_logs = {**self._metrics(), "loss": self._loss_sum / self._epoch_updates}
+        self.list.on_train_batch_end(batch, epoch_logs)
+        if batch == self._per_epoch - 1:
+            self._epoch_updates = None
+            if self._held_out is not None and (epoch + 1) % self._validation_freq == 0:
+                epoch_logs.update(self._validate())
+            self.list.on_epoch_end(epoch, epoch_logs)
+
+    def on_train_end(self, logs=None) -> None:
+        self._optimizer_state = [v.numpy() for v in self.model.optimizer.variables]
+        self.list.on_train_end()
+
+    def _update_metrics(self, update: int) -> None:
+        """The compiled metrics of the user's model updated on update `update`'s (0-based)
+        examples, with the outputs of the weights it starts from, as Keras's train step does."""
+        if not self._user_model.metrics or not self._compiled_metrics():
+            return
+        positions = tf.range(update * self._update_examples, (update + 1) * self._update_examples,
+                             dtype=tf.int64)
+        indices = self._source.stream_indices(positions, self._seed).numpy()
+        x, (y, weights) = (tf.nest.map_structure(lambda a: a[indices], part) for part in
+                           (self._source.train_features, self._source.train_labels))
+        outputs = self.model(x, training=False)
+        self._user_model.compute_metrics(x, y, outputs, sample_weight=weights)
+
+    def _compiled_metrics(self) -> bool:
+        config = self._user_model.get_compile_config()
+        return bool(config.get("metrics") or config.get("weighted_metrics"))
+
+    def _metrics(self) -> dict[str, float]:
+        if not self._compiled_metrics():
+            return {}
+        return {name: float(value) for name, value in self._user_model.get_metrics_result().items()
+                if name != "loss"}
+
+    def _validate(self) -> dict[str, float]:
+        """The user's model, given the current weights, evaluated on the held-out data as Keras's
+        fit evaluates it (after the epoch's training metrics were read: it resets them)."""
+        self._user_model.set_weights(self.model.get_weights())
+        held_x, held_y, held_weights = self._held_out
+        results = self._user_model.evaluate(
+            held_x, held_y, sample_weight=held_weights,
+            batch_size=None if isinstance(held_x, tf.data.Dataset) else self._batch_size,
+            steps=self._validation_steps, verbose=0, return_dict=True)
+        return {f"val_{name}": float(value) for name, value in results.items()}
+
+    def hand_back_optimizer(self) -> None:
+        """The user's optimizer built on the model's weights and given the run's state."""
+        if self._optimizer_state is None:
+            return
+        optimizer = self._user_model.optimizer
+        if not optimizer.built:
+            optimizer.build(self._user_model.trainable_variables)
+        _copy_state(self._optimizer_state, optimizer)
+        self._user_model.history = self.history
+        self.history.set_model(self._user_model)
