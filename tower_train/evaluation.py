@@ -236,7 +236,8 @@ def evaluate(model, source: Source, batch_size: int, devices: Sequence[str],
     tower `devices`, one shard each; see the module docstring. Raises TrainingError, one line,
     when the held-out data fails to be read (a corrupted or deleted file, a label out of range).
     """
-    run_shards = _traced_pass(model, tuple(devices), bool(metrics), source.num_classes is not None)
+    classes = source.num_classes is not None
+    run_shards = _traced_pass(model, tuple(devices), bool(metrics), classes)
     for metric in metrics:
         metric.reset_state()
     totals = np.zeros(4)  # float64: correct weight, weight, weighted loss, batch losses
