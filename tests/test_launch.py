@@ -1,5 +1,6 @@
 """`python -m tower_train.launch`: N multi_worker workers on this machine in one command; and an srun
 step's two tasks, simulated on this machine, against it."""
+import contextlib
 import io
 import os
 import re
@@ -13,7 +14,7 @@ import numpy as np
 import pytest
 
 from tower_train import cluster
-from tower_train.launch import gpus_of_worker, launch
+from tower_train.launch import gpus_of_worker, how_it_ended, launch
 from tower_train.run_dir import TrainDirLock
 from helpers import read_until
 from test_cli_errors import ROOT
@@ -72,7 +73,7 @@ def test_a_worker_refusing_its_input_ends_the_launcher_at_once(tmp_path):
     assert time.monotonic() - start < 100  # --collective_timeout is 120
     assert f"[worker 0/2] tower_train: error: --train_dir={tmp_path}: another run is training there" in output
     assert output.strip().splitlines()[-1].startswith(
-        "tower_train.launch: worker 0/2 failed first, with exit status 2: bad input (its line above); "
+        "tower_train.launch: worker 0/2 ended first: refused its input (exit status 2, its line above); "
         "the others were killed at once"), output
     assert "Traceback" not in output
 
@@ -100,7 +101,7 @@ def test_a_busy_port_is_one_line_naming_it_before_the_workers_start_or_from_one(
     assert f"[worker 0/2] tower_train: error: cannot listen on port {port}, of its address " \
            f"127.0.0.1:{port} (TF_CONFIG): the port is in use by another process; give the workers " \
            "free ports" in lines, lines
-    assert result.summary.startswith("worker 0/2 failed first, with exit status 2: bad input (its line "
+    assert result.summary.startswith("worker 0/2 ended first: refused its input (exit status 2, its line "
                                      "above); the others were killed at once"), result.summary
     assert seconds < 60, seconds  # the issue's bound; --collective_timeout + 10 s would be 40 s
 
@@ -312,7 +313,7 @@ def test_a_killed_worker_ends_the_launcher_within_the_collective_timeout(tmp_pat
     assert launcher.returncode == 128 + signal.SIGKILL, output
     assert "[worker 0/2] tower_train: " in output and "not reachable" in output, output  # its own lost-peer line
     assert output.strip().splitlines()[-1].startswith(
-        "tower_train.launch: worker 1/2 failed first, with exit status 137 (SIGKILL)"), output
+        "tower_train.launch: worker 1/2 ended first: killed by SIGKILL (exit status 137)"), output
 
 
 def test_each_worker_gets_gpus_of_its_own():
@@ -320,3 +321,65 @@ def test_each_worker_gets_gpus_of_its_own():
     assert [gpus_of_worker(i, 1, "4,6,7") for i in range(3)] == ["4", "6", "7"]
     assert gpus_of_worker(1, 2, "4,6,7") == "7"  # too few: the worker plans with what it sees
     assert gpus_of_worker(0, 0, None) == ""  # --num_gpus=0: one tower on the CPU
+
+
+def test_a_workers_end_is_said_as_it_came():
+    assert how_it_ended(0, finished=True) == "finished (exit status 0)"
+    assert how_it_ended(0, finished=False) == "exited with status 0 before finishing (no `done:` line)"
+    assert how_it_ended(1, False) == "failed (exit status 1)"
+    assert how_it_ended(2, False) == "refused its input (exit status 2, its line above)"
+    assert how_it_ended(143, False) == "stopped on a stop signal (exit status 143)"  # saved, its line says
+    assert how_it_ended(129, False) == "stopped on a stop signal (exit status 129)"
+    assert how_it_ended(-signal.SIGTERM, False) == "killed by SIGTERM (exit status 143)"
+    assert how_it_ended(-signal.SIGKILL, False, signal.SIGSTOP) == (
+        "suspended by SIGSTOP, then killed by SIGKILL (exit status 137)")
+
+
+@pytest.mark.cpu_only
+def test_a_worker_leaving_early_with_status_0_is_named_not_the_peer_it_left(tmp_path):
+    code = tmp_path / "leaves_early.py"
+    code.write_text("import json, os\n"
+                    "if json.loads(os.environ['TF_CONFIG'])['task']['index'] == 1:\n"
+                    "    os._exit(0)  # as if its work were done, before its peer's strategy is up\n")
+    launcher = start_launcher("--workers=2", "--", "--num_gpus=1", "--collective_timeout=10",
+                              f"--model_module={code}", f"--train_dir={tmp_path / 'run'}")
+    output = finish(launcher, timeout=120)
+    assert launcher.returncode != 0, output
+    assert output.strip().splitlines()[-1].startswith(
+        "tower_train.launch: worker 1/2 ended first: exited with status 0 before finishing (no `done:` "
+        "line); exit statuses: "), output
+
+
+@pytest.mark.cpu_only
+def test_a_suspended_worker_is_named_as_the_cause_and_its_watchdog_blames_no_peer(tmp_path):
+    launcher = start_launcher("--workers=2", "--", "--num_gpus=1", "--batch_size=16",
+                              "--max_steps=100000", "--log_every=1", "--collective_timeout=10",
+                              f"--train_dir={tmp_path}")
+    seen = read_until(launcher, "step 3,", timeout=240)
+    suspended = worker_pid(seen, 1)
+    os.kill(suspended, signal.SIGSTOP)
+    try:
+        output = seen + finish(launcher, timeout=120)
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # if the launcher was killed, its SIGHUP ends it
+            os.kill(suspended, signal.SIGCONT)
+    assert "tower_train.launch: worker 1/2 is suspended by SIGSTOP: the others wait on it" in output, output
+    assert re.match(r"tower_train.launch: worker 1/2 (was suspended by SIGSTOP while the others waited on "
+                    r"it; worker 0/2 ended first: |ended first: suspended by SIGSTOP, then )",
+                    output.strip().splitlines()[-1]), output
+    assert not [line for line in output.splitlines() if line.startswith("[worker 1/2]")
+                and "not reachable" in line], output  # the peer it stalled is not blamed
+
+
+@pytest.mark.cpu_only
+def test_a_stop_signal_to_one_worker_is_a_stop_of_all_not_a_failure(tmp_path):
+    launcher = start_launcher("--workers=2", "--", "--num_gpus=1", "--batch_size=16",
+                              "--max_steps=100000", "--log_every=1", "--collective_timeout=60",
+                              f"--train_dir={tmp_path}")
+    seen = read_until(launcher, "step 3,", timeout=240)
+    os.kill(worker_pid(seen, 1), signal.SIGTERM)
+    output = seen + finish(launcher, timeout=120)
+    assert launcher.returncode == 128 + signal.SIGTERM, output
+    assert output.strip().splitlines()[-1] == (
+        "tower_train.launch: all 2 workers stopped on a stop signal (their lines say which, and after "
+        "which update); exit statuses: 143 (SIGTERM), 143 (SIGTERM)"), output
