@@ -375,8 +375,13 @@ def _watch(clock: int, stderr: int, worker_pid: int, worker: WorkerInfo, timeout
         ready, _, _ = select.select(open_fds, [], [], wait)
         if not ready:
             filtered.flush()
-            _write_stderr(f"{prog}: [{worker.name}] no progress for {timeout:g} s while waiting on the "
-                          f"peers (--collective_timeout): {peer_trouble(worker)}\n".encode())
+            if _suspended(worker_pid):  # its own stall, not a wait on the peers: they are not blamed
+                line = (f"[{worker.name}] no progress for {timeout:g} s (--collective_timeout) "
+                        "while suspended (SIGSTOP, or the like): its own stall, not its peers'")
+            else:
+                line = (f"[{worker.name}] no progress for {timeout:g} s while waiting on the peers "
+                        f"(--collective_timeout): {peer_trouble(worker)}")
+            _write_stderr(f"{prog}: {line}\n".encode())
             os.kill(worker_pid, signal.SIGKILL)
             return 1
         for fd in ready:
@@ -390,6 +395,15 @@ def _watch(clock: int, stderr: int, worker_pid: int, worker: WorkerInfo, timeout
                 deadline = time.monotonic() + timeout
     filtered.flush()
     return 0
+
+
+def _suspended(pid: int) -> bool:
+    """Whether process `pid` is suspended (state T: SIGSTOP, SIGTSTP); False where /proc is not."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] == "T"
+    except OSError:
+        return False
 
 
 def _write_stderr(data: bytes) -> None:

@@ -8,13 +8,16 @@ the chief only), and waits for all of them:
 
 - SIGTERM, SIGINT or SIGHUP to the launcher is passed to every worker, which stop after the same
   update and save (the signal rule of docs/faults-and-resume.md); a second one kills them.
-- A worker that fails leaves the others to their own lost-peer handling (TF's collective timeout
-  and the watchdog, both --collective_timeout); whichever still run --collective_timeout + 10 s
-  later are killed. A worker refusing its input (status 2) ends the others at once.
+- A worker that ends early (fails, is killed, stops, or exits 0 before its `done:` line) leaves
+  the others to their own lost-peer handling (TF's collective timeout and the watchdog, both
+  --collective_timeout); whichever still run --collective_timeout + 10 s later are killed. A
+  worker refusing its input (status 2) ends the others at once. A worker suspended (SIGSTOP) is
+  said at once, and named as the cause when the others then end.
 - If the launcher itself dies, by any signal and at any time, every worker gets SIGHUP (on Linux):
   one that trains stops after the current update and saves, one that starts ends at once.
 - The exit status is the highest of the workers' (128 + n for a worker ended by signal n),
-  leaving out those the launcher killed after another failed; one last line says how they ended.
+  leaving out those the launcher killed after another failed, and 1 if that is 0 but a worker
+  ended early; one last line names the worker that ended first and how.
 
 It is for one machine (tests, or one worker per GPU); several machines run one worker each under
 Slurm (`--cluster=slurm`) or Kubernetes: docs/multi-machine.md.
@@ -26,6 +29,7 @@ import dataclasses
 import json
 import os
 import re
+import select
 import selectors
 import signal
 import socket
@@ -56,6 +60,8 @@ For several machines see docs/multi-machine.md (Slurm, Kubernetes).
 LOST_PEER_MARGIN = 10.0
 # progress.Progress's log line, as a worker tags it: shown from the chief alone.
 _PROGRESS_LINE = re.compile(rb"\[worker \d+/\d+\] step \d+, loss = ")
+# The trainer's last line of a run that finished; a worker's exit 0 without it came early.
+_DONE_LINE = re.compile(rb"\[worker \d+/\d+\] done: step \d+")
 _FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 _PARENT_DEATH_SIGNAL = signal.SIGHUP
@@ -175,6 +181,43 @@ def _describe(status: int) -> str:
     return str(status)
 
 
+def how_it_ended(returncode: int, finished: bool, suspended_by: int | None = None) -> str:
+    """A worker's end in words, from its `Popen.returncode` (negative: killed by that signal),
+    whether it logged its `done:` line, and the signal that had suspended it, if any."""
+    status = _shell_status(returncode)
+    if returncode < 0:
+        how = f"killed by {signal.Signals(-returncode).name} (exit status {status})"
+    elif returncode == 0:
+        how = ("finished (exit status 0)" if finished
+               else "exited with status 0 before finishing (no `done:` line)")
+    elif returncode == 2:
+        how = "refused its input (exit status 2, its line above)"
+    elif _stopped_by_the_stop_rule(returncode):  # its own signal's number, or SIGTERM's for a peer's
+        how = f"stopped on a stop signal (exit status {status})"
+    else:
+        how = f"failed (exit status {status})"
+    if suspended_by is not None:
+        how = f"suspended by {signal.Signals(suspended_by).name}, then {how}"
+    return how
+
+
+def _stopped_by_the_stop_rule(returncode: int) -> bool:
+    """Whether a worker exited as the stop rule ends a run: 128 + the stop signal's number."""
+    return returncode - 128 in _FORWARDED
+
+
+def _suspending_signal(pid: int) -> int | None:
+    """The signal that holds child `pid` suspended now (SIGSTOP, SIGTSTP, ...), or None; Popen
+    still collects its exit (WNOWAIT)."""
+    if not hasattr(os, "waitid"):  # macOS: suspended workers are not told apart
+        return None
+    try:
+        info = os.waitid(os.P_PID, pid, os.WSTOPPED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:  # collected already
+        return None
+    return info.si_status if info is not None and info.si_code == os.CLD_STOPPED else None
+
+
 class _WorkerGroup:
     """The running workers, their output and their exits."""
 
@@ -182,6 +225,10 @@ class _WorkerGroup:
                  output: BinaryIO):
         self._count, self._output = len(addresses), output
         self._pending = [b""] * self._count  # each worker's unfinished last line
+        self._finished = [False] * self._count  # its `done:` line was seen
+        # The signal that last held each suspended, and when it was last seen so; whether it is now.
+        self._suspension: list[tuple[int, float] | None] = [None] * self._count
+        self._suspended_now = [False] * self._count
         self._processes: list[subprocess.Popen] = []
         for index in range(self._count):
             tf_config = json.dumps({"cluster": {"worker": addresses},
@@ -208,6 +255,7 @@ class _WorkerGroup:
         lines = (self._pending[index] + data).split(b"\n")
         self._pending[index] = lines.pop()
         tag = f"[{self._name(index)}]".encode()
+        self._finished[index] |= any(_DONE_LINE.search(line) for line in lines)
         shown = [tag + b" " + line.replace(tag + b" ", b"", 1) + b"\n" for line in lines
                  if index == 0 or not _PROGRESS_LINE.search(line)]
         if shown:
@@ -219,17 +267,18 @@ class _WorkerGroup:
             self._processes[index].kill()
 
     def wait(self, received: list[int], collective_timeout: float) -> LaunchResult:
-        statuses: list[int | None] = [None] * self._count
+        returncodes: list[int | None] = [None] * self._count  # Popen's: -n for a kill by signal n
         killed_after_failure: list[int] = []
-        first_failure: int | None = None
+        killed_at_once = False  # those for a worker that refused its input
+        first_end: str | None = None  # the first early end in words: who ended first, and how
         forwarded: list[int] = []  # the stop signals passed on to the workers
         deadline = None
         with selectors.DefaultSelector() as selector:
             for index, process in enumerate(self._processes):
                 selector.register(process.stdout, selectors.EVENT_READ, index)
-            while any(s is None for s in statuses):
+            while any(r is None for r in returncodes):
                 self._read(selector, 0.2)
-                running = [i for i, s in enumerate(statuses) if s is None]
+                running = [i for i, r in enumerate(returncodes) if r is None]
                 for number in received[len(forwarded):]:
                     forwarded.append(number)
                     name = signal.Signals(number).name
@@ -244,24 +293,27 @@ class _WorkerGroup:
                 for index in running:
                     returncode = self._processes[index].poll()
                     if returncode is None:
+                        self._watch_suspension(index)
                         continue
-                    statuses[index] = _shell_status(returncode)
-                    if statuses[index] == 0 or forwarded or first_failure is not None:
+                    self._drain(selector, index)  # its last lines, `done:` among them, came first
+                    returncodes[index] = returncode
+                    if (returncode == 0 and self._finished[index]) or forwarded or first_end is not None:
                         continue
-                    first_failure = index
+                    how = how_it_ended(returncode, self._finished[index],
+                                       self._suspended_within(index, collective_timeout))
+                    first_end = self._first_end(index, how, running, collective_timeout)
                     others = [i for i in running if self._processes[i].poll() is None]
-                    if statuses[index] == 2:  # bad input: no peer will get further
-                        killed_after_failure = others
+                    if returncode == 2:  # bad input: no peer will get further
+                        killed_after_failure, killed_at_once = others, True
                         self._kill(others)
                     elif others:
                         deadline = time.monotonic() + collective_timeout + LOST_PEER_MARGIN
-                        self._say(f"{self._name(index)} exited with status "
-                                  f"{_describe(statuses[index])}; the others get --collective_timeout "
+                        self._say(f"{self._name(index)} {how}; the others get --collective_timeout "
                                   f"+ {LOST_PEER_MARGIN:g} s = {deadline - time.monotonic():.0f} s "
                                   "to notice and end")
                 if deadline is not None and time.monotonic() > deadline:
                     deadline = None
-                    killed_after_failure = [i for i, s in enumerate(statuses) if s is None]
+                    killed_after_failure = [i for i, r in enumerate(returncodes) if r is None]
                     self._kill(killed_after_failure)
             # What the workers wrote last; a child of theirs still holding the pipe is not waited for.
             end = time.monotonic() + 5
@@ -270,37 +322,87 @@ class _WorkerGroup:
         for index, rest in enumerate(self._pending):
             if rest:
                 self._show(index, b"\n")
-        return self._result(statuses, first_failure, killed_after_failure, forwarded)
+        return self._result(returncodes, first_end, killed_after_failure, killed_at_once, forwarded)
+
+    def _first_end(self, index: int, how: str, running: list[int], collective_timeout: float) -> str:
+        """Who ended first and how, in words; led by a peer that was suspended while the others
+        waited on it, whose doing their end then is."""
+        first_end = f"{self._name(index)} ended first: {how}"
+        for other in (i for i in running if i != index):
+            suspended_by = self._suspended_within(other, collective_timeout)
+            if suspended_by is not None:
+                return (f"{self._name(other)} was suspended by {signal.Signals(suspended_by).name} "
+                        f"while the others waited on it; {first_end}")
+        return first_end
+
+    def _watch_suspension(self, index: int) -> None:
+        """Notes, and says once, that a running worker is suspended (SIGSTOP, SIGTSTP): its peers
+        wait on it, and their failure is then its doing. The suspension is kept with the time it was
+        last seen, not forgotten when the worker is seen running: a suspended worker that is killed
+        is, for an instant, neither suspended nor ended."""
+        suspended_by = _suspending_signal(self._processes[index].pid)
+        if suspended_by is not None:
+            if not self._suspended_now[index]:
+                self._say(f"{self._name(index)} is suspended by {signal.Signals(suspended_by).name}: "
+                          "the others wait on it (SIGCONT resumes it), and end after "
+                          "--collective_timeout")
+            self._suspension[index] = (suspended_by, time.monotonic())
+        self._suspended_now[index] = suspended_by is not None
+
+    def _suspended_within(self, index: int, collective_timeout: float) -> int | None:
+        """The signal that held worker `index` suspended lately enough to be why its peers, which
+        wait --collective_timeout (+ the margin) on it, ended; or None."""
+        suspension = self._suspension[index]
+        lately = suspension and time.monotonic() - suspension[1] <= collective_timeout + LOST_PEER_MARGIN
+        return suspension[0] if lately else None
 
     def _read(self, selector: selectors.BaseSelector, timeout: float) -> None:
         for key, _ in selector.select(timeout):
-            data = os.read(key.fd, 1 << 16)
-            if data:
-                self._show(key.data, data)
-            else:
-                selector.unregister(key.fileobj)
-                key.fileobj.close()
+            self._read_key(selector, key)
 
-    def _result(self, statuses: list[int], first_failure: int | None, killed_after_failure: list[int],
-                forwarded: list[int]) -> LaunchResult:
+    def _drain(self, selector: selectors.BaseSelector, index: int) -> None:
+        """Reads what worker `index`, which has ended, left in its pipe."""
+        key = next((k for k in selector.get_map().values() if k.data == index), None)
+        for _ in range(64):  # at most 4 MiB: a child of its own could hold the pipe and write on
+            if key is None or not select.select([key.fd], [], [], 0)[0]:
+                return
+            if not self._read_key(selector, key):
+                return
+
+    def _read_key(self, selector: selectors.BaseSelector, key: selectors.SelectorKey) -> bool:
+        """Shows what the pipe holds; False at its end, which closes it."""
+        data = os.read(key.fd, 1 << 16)
+        if data:
+            self._show(key.data, data)
+            return True
+        selector.unregister(key.fileobj)
+        key.fileobj.close()
+        return False
+
+    def _result(self, returncodes: list[int], first_end: str | None, killed_after_failure: list[int],
+                killed_at_once: bool, forwarded: list[int]) -> LaunchResult:
+        statuses = [_shell_status(r) for r in returncodes]
         counted = [s for i, s in enumerate(statuses) if i not in killed_after_failure]
         listing = ", ".join(_describe(s) for s in statuses)
         if forwarded:
             summary = (f"{signal.Signals(forwarded[0]).name} passed to the workers; their exit "
                        f"statuses: {listing}")
-        elif first_failure is None:
+        elif first_end is None:
             summary = f"all {self._count} workers finished; exit statuses: {listing}"
+        elif all(_stopped_by_the_stop_rule(r) for r in returncodes):
+            summary = (f"all {self._count} workers stopped on a stop signal (their lines say which, "
+                       f"and after which update); exit statuses: {listing}")
         else:
-            summary = (f"{self._name(first_failure)} failed first, with exit status "
-                       f"{_describe(statuses[first_failure])}")
-            if killed_after_failure and statuses[first_failure] == 2:
-                summary += ": bad input (its line above); the others were killed at once"
+            summary = first_end
+            if killed_at_once:
+                summary += "; the others were killed at once"
             elif killed_after_failure:
                 summary += (f"; killed {', '.join(self._name(i) for i in killed_after_failure)}, "
                             "still running after --collective_timeout + "
                             f"{LOST_PEER_MARGIN:g} s")
             summary += f"; exit statuses: {listing}"
-        return LaunchResult(max(counted), summary)
+        # A worker that ended early fails the run, even when its own status and the others' were 0.
+        return LaunchResult(max(counted) or int(first_end is not None), summary)
 
 
 def main(argv: list[str] | None = None) -> int:
