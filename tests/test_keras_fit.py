@@ -491,8 +491,45 @@ def timeseries_classification(directory):
                        validation_split=0.2, verbose=1)
 
 
+def structured_data_classification():
+    """keras-io's structured data classification (FeatureSpace): 13 named columns, a batched
+    tf.data pipeline of dicts, preprocessed by the feature space, for validation too."""
+    rng = np.random.default_rng(3)
+    n = 96
+    columns = {name: rng.integers(0, 4, n) for name in ("sex", "cp", "fbs", "restecg", "exang",
+                                                        "ca")}
+    columns.update({name: rng.normal(size=n).astype(np.float32)
+                    for name in ("age", "trestbps", "chol", "thalach", "oldpeak", "slope")})
+    columns["thal"] = rng.choice(["fixed", "normal", "reversible"], n)
+    target = rng.integers(0, 2, n)
+    train_ds = tf.data.Dataset.from_tensor_slices((columns, target)).batch(32)
+    val_ds = tf.data.Dataset.from_tensor_slices(
+        ({name: values[:32] for name, values in columns.items()}, target[:32])).batch(32)
+    FeatureSpace = keras.utils.FeatureSpace
+    feature_space = FeatureSpace(
+        features={**{name: FeatureSpace.integer_categorical(num_oov_indices=0)
+                     for name in ("sex", "cp", "fbs", "restecg", "exang", "ca")},
+                  "thal": FeatureSpace.string_categorical(num_oov_indices=0),
+                  **{name: FeatureSpace.float_discretized(num_bins=3) for name in ("age",)},
+                  **{name: FeatureSpace.float_normalized()
+                     for name in ("trestbps", "chol", "thalach", "oldpeak", "slope")}},
+        crosses=[FeatureSpace.cross(feature_names=("sex", "age"), crossing_dim=8)],
+        output_mode="concat")
+    feature_space.adapt(train_ds.map(lambda x, _: x))
+    preprocessed_train_ds = train_ds.map(lambda x, y: (feature_space(x), y))
+    preprocessed_val_ds = val_ds.map(lambda x, y: (feature_space(x), y))
+    encoded_features = feature_space.get_encoded_features()
+    x = keras.layers.Dense(32, activation="relu")(encoded_features)
+    x = keras.layers.Dropout(0.5)(x)
+    predictions = keras.layers.Dense(1, activation="sigmoid")(x)
+    training_model = keras.Model(inputs=encoded_features, outputs=predictions)
+    training_model.compile(optimizer="adam", loss="binary_crossentropy", metrics=["accuracy"])
+    return training_model, dict(x=preprocessed_train_ds, epochs=2,
+                                validation_data=preprocessed_val_ds, verbose=2)
+
+
 @pytest.mark.parametrize("example", [transformer_classifier, imbalanced_classification,
-                                     timeseries_classification])
+                                     timeseries_classification, structured_data_classification])
 def test_keras_io_examples_train_with_one_changed_call(example, tmp_path):
     arguments = (lambda: example(tmp_path)) if example is timeseries_classification else example
     model, fit_arguments = arguments()
