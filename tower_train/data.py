@@ -158,6 +158,12 @@ class Source(abc.ABC):
                                       self.feature_spec)
         return self.model_input(zeros, tf.zeros([1, 2], tf.int64), training=False)
 
+    def example_labels(self):
+        """All-zero labels (or targets) of one example, [1, ...]: what the checks of a model's
+        loss and metrics call them on."""
+        return tf.nest.map_structure(lambda spec: tf.zeros([1, *spec.shape], spec.dtype),
+                                     self.label_spec)
+
 
 def rows(nest, index):
     """`nest` (a tensor, or a structure of them) indexed along axis 0 by `index` (a slice)."""
