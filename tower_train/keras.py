@@ -32,7 +32,6 @@ callbacks, the History and the progress bar. docs/keras.md maps every argument:
 from __future__ import annotations
 
 import math
-import os
 import shutil
 import tempfile
 from typing import Any
