@@ -432,3 +432,24 @@ def test_synthetic_data_set():
 
     accuracy = nearest_class_mean_accuracy(source)
     assert 0.3 < accuracy < 0.95, accuracy
+
+
+def test_array_source_takes_several_inputs_and_targets():
+    """A dict or list of arrays is several inputs (a list kept as a tuple: tf.data would stack
+    it), a list of numbers one array; float labels are targets: no classes, one weight per
+    example."""
+    features = {"a": np.arange(12, dtype=np.float32).reshape(6, 2), "b": np.arange(6)}
+    targets = np.eye(3, dtype=np.float32)[[0, 1, 2, 0, 1, 2]]
+    source = data.ArraySource(features, targets, shuffle=False)
+    assert source.num_classes is None and source.weight_shape == [] and source.train_size == 6
+    x, y, w = next(iter(source.train_stream(seed=0, start_position=4, micro_batch=4)))
+    np.testing.assert_array_equal(x["a"].numpy(), features["a"][[4, 5, 0, 1]])
+    np.testing.assert_array_equal(x["b"].numpy(), features["b"][[4, 5, 0, 1]])
+    np.testing.assert_array_equal(y.numpy(), targets[[4, 5, 0, 1]])
+    np.testing.assert_array_equal(w.numpy(), np.ones(4))
+    listed = data.ArraySource([features["a"], features["b"]], np.arange(6) % 2)
+    assert isinstance(listed.train_features, tuple) and listed.num_classes == 2
+    assert data.ArraySource([[1.0, 2.0]] * 4, [0, 1, 0, 1]).feature_spec.shape == [2]
+    with pytest.raises(data.DataError, match=r"train_features\['a'\] \[6\] and "
+                                             r"train_features\['b'\] \[5\] and train_labels \[6\]"):
+        data.ArraySource({"a": np.zeros(6), "b": np.zeros(5)}, np.zeros(6, np.int64))

@@ -396,3 +396,145 @@ def test_a_second_fit_continues_the_optimizers_state_as_kerass_does():
     assert int(model.optimizer.iterations) == int(reference.optimizer.iterations) == 8
     for got, expected in zip(model.get_weights(), reference.get_weights(), strict=True):
         np.testing.assert_allclose(got, expected, atol=1e-4)
+
+
+# keras-io examples, their data sets replaced by random arrays of the same shapes (fewer), each
+# trained by Keras's own fit and by tower_train.keras.fit with the same arguments: the same
+# History keys. (The MNIST convnet is README.md's script, run above.)
+
+
+class TransformerBlock(keras.layers.Layer):
+    """keras-io's text classification with Transformer: its block, as written there."""
+
+    def __init__(self, embed_dim, num_heads, ff_dim, rate=0.1):
+        super().__init__()
+        self.att = keras.layers.MultiHeadAttention(num_heads=num_heads, key_dim=embed_dim)
+        self.ffn = keras.Sequential([keras.layers.Dense(ff_dim, activation="relu"),
+                                     keras.layers.Dense(embed_dim)])
+        self.layernorm1 = keras.layers.LayerNormalization(epsilon=1e-6)
+        self.layernorm2 = keras.layers.LayerNormalization(epsilon=1e-6)
+        self.dropout1 = keras.layers.Dropout(rate)
+        self.dropout2 = keras.layers.Dropout(rate)
+
+    def call(self, inputs):
+        attn_output = self.dropout1(self.att(inputs, inputs))
+        out1 = self.layernorm1(inputs + attn_output)
+        return self.layernorm2(out1 + self.dropout2(self.ffn(out1)))
+
+
+class TokenAndPositionEmbedding(keras.layers.Layer):
+    def __init__(self, maxlen, vocab_size, embed_dim):
+        super().__init__()
+        self.token_emb = keras.layers.Embedding(input_dim=vocab_size, output_dim=embed_dim)
+        self.pos_emb = keras.layers.Embedding(input_dim=maxlen, output_dim=embed_dim)
+
+    def call(self, x):
+        positions = keras.ops.arange(start=0, stop=keras.ops.shape(x)[-1], step=1)
+        return self.token_emb(x) + self.pos_emb(positions)
+
+
+def transformer_classifier():
+    vocab_size, maxlen, embed_dim = 200, 20, 8
+    rng = np.random.default_rng(0)
+    x, y = rng.integers(0, vocab_size, (64, maxlen)), rng.integers(0, 2, 64)
+    inputs = keras.layers.Input(shape=(maxlen,))
+    x_ = TokenAndPositionEmbedding(maxlen, vocab_size, embed_dim)(inputs)
+    x_ = TransformerBlock(embed_dim, 2, 8)(x_)
+    x_ = keras.layers.GlobalAveragePooling1D()(x_)
+    x_ = keras.layers.Dropout(0.1)(x_)
+    x_ = keras.layers.Dense(20, activation="relu")(x_)
+    x_ = keras.layers.Dropout(0.1)(x_)
+    model = keras.Model(inputs=inputs, outputs=keras.layers.Dense(2, activation="softmax")(x_))
+    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    return model, dict(x=x, y=y, batch_size=16, epochs=2, validation_data=(x[:16], y[:16]))
+
+
+def imbalanced_classification():
+    rng = np.random.default_rng(1)
+    features = rng.normal(size=(96, 29)).astype(np.float32)
+    targets = (rng.random(96) < 0.1).astype(np.uint8)[:, None]
+    counts = np.bincount(targets[:, 0])
+    model = keras.Sequential([
+        keras.Input(shape=features.shape[1:]), keras.layers.Dense(16, activation="relu"),
+        keras.layers.Dense(16, activation="relu"), keras.layers.Dropout(0.3),
+        keras.layers.Dense(16, activation="relu"), keras.layers.Dropout(0.3),
+        keras.layers.Dense(1, activation="sigmoid")])
+    metrics = [keras.metrics.FalseNegatives(name="fn"), keras.metrics.FalsePositives(name="fp"),
+               keras.metrics.TrueNegatives(name="tn"), keras.metrics.TruePositives(name="tp"),
+               keras.metrics.Precision(name="precision"), keras.metrics.Recall(name="recall")]
+    model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="binary_crossentropy",
+                  metrics=metrics)
+    return model, dict(x=features, y=targets, batch_size=32, epochs=2, verbose=2,
+                       validation_data=(features[:32], targets[:32]),
+                       class_weight={0: 1.0 / counts[0], 1: 1.0 / counts[1]})
+
+
+def timeseries_classification(directory):
+    rng = np.random.default_rng(2)
+    x_train, y_train = rng.normal(size=(80, 50, 1)).astype(np.float32), rng.integers(0, 2, 80)
+    input_layer = keras.layers.Input(x_train.shape[1:])
+    hidden = input_layer
+    for _ in range(3):
+        hidden = keras.layers.Conv1D(filters=8, kernel_size=3, padding="same")(hidden)
+        hidden = keras.layers.ReLU()(keras.layers.BatchNormalization()(hidden))
+    gap = keras.layers.GlobalAveragePooling1D()(hidden)
+    model = keras.models.Model(inputs=input_layer,
+                               outputs=keras.layers.Dense(2, activation="softmax")(gap))
+    callbacks = [keras.callbacks.ModelCheckpoint(str(directory / "best_model.keras"),
+                                                 save_best_only=True, monitor="val_loss"),
+                 keras.callbacks.ReduceLROnPlateau(monitor="val_loss", factor=0.5, patience=1,
+                                                   min_lr=0.0001),
+                 keras.callbacks.EarlyStopping(monitor="val_loss", patience=5, verbose=1)]
+    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy",
+                  metrics=["sparse_categorical_accuracy"])
+    return model, dict(x=x_train, y=y_train, batch_size=16, epochs=3, callbacks=callbacks,
+                       validation_split=0.2, verbose=1)
+
+
+def structured_data_classification():
+    """keras-io's structured data classification (FeatureSpace): 13 named columns, a batched
+    tf.data pipeline of dicts, preprocessed by the feature space, for validation too."""
+    rng = np.random.default_rng(3)
+    n = 96
+    columns = {name: rng.integers(0, 4, n) for name in ("sex", "cp", "fbs", "restecg", "exang",
+                                                        "ca")}
+    columns.update({name: rng.normal(size=n).astype(np.float32)
+                    for name in ("age", "trestbps", "chol", "thalach", "oldpeak", "slope")})
+    columns["thal"] = rng.choice(["fixed", "normal", "reversible"], n)
+    target = rng.integers(0, 2, n)
+    train_ds = tf.data.Dataset.from_tensor_slices((columns, target)).batch(32)
+    val_ds = tf.data.Dataset.from_tensor_slices(
+        ({name: values[:32] for name, values in columns.items()}, target[:32])).batch(32)
+    FeatureSpace = keras.utils.FeatureSpace
+    feature_space = FeatureSpace(
+        features={**{name: FeatureSpace.integer_categorical(num_oov_indices=0)
+                     for name in ("sex", "cp", "fbs", "restecg", "exang", "ca")},
+                  "thal": FeatureSpace.string_categorical(num_oov_indices=0),
+                  **{name: FeatureSpace.float_discretized(num_bins=3) for name in ("age",)},
+                  **{name: FeatureSpace.float_normalized()
+                     for name in ("trestbps", "chol", "thalach", "oldpeak", "slope")}},
+        crosses=[FeatureSpace.cross(feature_names=("sex", "age"), crossing_dim=8)],
+        output_mode="concat")
+    feature_space.adapt(train_ds.map(lambda x, _: x))
+    preprocessed_train_ds = train_ds.map(lambda x, y: (feature_space(x), y))
+    preprocessed_val_ds = val_ds.map(lambda x, y: (feature_space(x), y))
+    encoded_features = feature_space.get_encoded_features()
+    x = keras.layers.Dense(32, activation="relu")(encoded_features)
+    x = keras.layers.Dropout(0.5)(x)
+    predictions = keras.layers.Dense(1, activation="sigmoid")(x)
+    training_model = keras.Model(inputs=encoded_features, outputs=predictions)
+    training_model.compile(optimizer="adam", loss="binary_crossentropy", metrics=["accuracy"])
+    return training_model, dict(x=preprocessed_train_ds, epochs=2,
+                                validation_data=preprocessed_val_ds, verbose=2)
+
+
+@pytest.mark.parametrize("example", [transformer_classifier, imbalanced_classification,
+                                     timeseries_classification, structured_data_classification])
+def test_keras_io_examples_train_with_one_changed_call(example, tmp_path):
+    arguments = (lambda: example(tmp_path)) if example is timeseries_classification else example
+    model, fit_arguments = arguments()
+    want = model.fit(**fit_arguments)
+    model, fit_arguments = arguments()
+    history = tower_train.keras.fit(model, **fit_arguments, num_gpus=2, accum=2)
+    assert sorted(history.history) == sorted(want.history)
+    assert len(history.epoch) == len(want.epoch)

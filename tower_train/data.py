@@ -158,6 +158,12 @@ class Source(abc.ABC):
                                       self.feature_spec)
         return self.model_input(zeros, tf.zeros([1, 2], tf.int64), training=False)
 
+    def example_labels(self):
+        """All-zero labels (or targets) of one example, [1, ...]: what the checks of a model's
+        loss and metrics call them on."""
+        return tf.nest.map_structure(lambda spec: tf.zeros([1, *spec.shape], spec.dtype),
+                                     self.label_spec)
+
 
 def rows(nest, index):
     """`nest` (a tensor, or a structure of them) indexed along axis 0 by `index` (a slice)."""
@@ -385,10 +391,12 @@ def _split_arrays(split: str, features, labels, weights) -> tuple[object, object
 
 def _arrays(nest):
     """`nest` (an array, or a dict, list or tuple of them) with numpy arrays for leaves, and
-    tuples for lists (tf.data would stack a list into one tensor)."""
+    tuples for lists (tf.data would stack a list into one tensor). A list or tuple of anything
+    but arrays, tensors and dicts (numbers, lists of numbers) is one array, as numpy makes it."""
     if isinstance(nest, dict):
         return {key: _arrays(value) for key, value in nest.items()}
-    if isinstance(nest, (list, tuple)):
+    if isinstance(nest, (list, tuple)) and nest and all(
+            isinstance(item, (np.ndarray, dict)) or tf.is_tensor(item) for item in nest):
         return tuple(_arrays(item) for item in nest)
     return np.asarray(nest)
 

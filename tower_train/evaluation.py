@@ -127,11 +127,9 @@ def check_metrics_against(metrics: Sequence[keras.metrics.Metric], model, source
     """
     if not metrics:
         return
-    from tower_train.model_spec import example_labels
-
     example = call_user_code(source.example_input, f"{source.name}: preprocess")
     outputs = tf.cast(model(example, training=False), tf.float32)
-    labels = example_labels(source)
+    labels = source.example_labels()
     weights = tf.ones([1, *source.weight_shape], tf.float32)
     for metric in metrics:
         what = (f"metrics: {metric.name}, on outputs float32 {outputs.shape.as_list()} and labels "
@@ -165,8 +163,8 @@ def shard_pass(model, devices: Sequence[str], keep_outputs: bool = False,
     `classes` (targets) no prediction is counted correct.
 
     features [b, ...] as the model takes them, labels int [b, ...] (or targets), weights float32
-    of the labels' shape (the loss's, for targets), any b >= 0. The batch is split into len(devices) shards (`shard_bounds`);
-    shard i's outputs and sums are computed on devices[i].
+    of the labels' shape (the loss's, for targets), any b >= 0. The batch is split into
+    len(devices) shards (`shard_bounds`); shard i's outputs and sums are computed on devices[i].
     """
     devices = tuple(devices)
     if not devices:

@@ -32,7 +32,6 @@ callbacks, the History and the progress bar. docs/keras.md maps every argument:
 from __future__ import annotations
 
 import math
-import os
 import shutil
 import tempfile
 from typing import Any
@@ -56,7 +55,7 @@ _SET_HERE = {
     "lr_schedule": "the compiled optimizer", "warmup_steps": "the compiled optimizer",
     "scale_lr": "the compiled optimizer", "model": "the model argument",
     "dataset": "x and y", "data_dir": "x and y", "augment": "x and y", "data_module": "x and y",
-    "model_module": "the model argument",
+    "model_module": "the model argument", "precision": "the model's own dtype policy",
 }
 _VERBOSE = (0, 1, 2, "auto")
 DEFAULT_BATCH_SIZE = 32  # Keras's
@@ -131,10 +130,16 @@ def fit(model: keras.Model, x: Any = None, y: Any = None, batch_size: int | None
         options.setdefault("checkpoint_every", (epochs - initial_epoch) * per_epoch)
     try:
         first = tf.nest.map_structure(lambda a: a[:1], (features, targets))
-        api.fit(model=model, loss=CompiledLoss(model, *first), optimizer=model.optimizer, data=source,
+        # Tower mode trains the model itself, wherever Keras made its weights, as Keras's fit
+        # does (a model whose layers Keras cannot remake from their config trains too); a
+        # strategy must make its own copy of the weights, so it trains a clone.
+        in_place = options.get("mode", TrainConfig.mode) == TrainConfig.mode
+        api.fit(model=(lambda: model) if in_place else model, loss=CompiledLoss(model, *first), optimizer=model.optimizer, data=source,
                 callbacks=[loop], num_gpus=num_gpus, accum=accum, batch_size=batch_size // towers,
                 max_steps=(epochs - initial_epoch) * per_epoch, train_dir=train_dir, **options)
     finally:
+        # The run gave the trained network its optimizer (callbacks.py); compile()'s goes back.
+        object.__setattr__(model, "optimizer", loop.own_optimizer)
         if given_dir is None:
             shutil.rmtree(train_dir, ignore_errors=True)
     loop.hand_back_optimizer()
@@ -331,8 +336,9 @@ class _KerasFitLoop(keras.callbacks.Callback):
     Keras's progress bar (a `keras.callbacks.CallbackList`) of epochs and batches as Keras's fit
     does, an update being one step, and computes the compiled metrics and the validation.
 
-    Its model (`set_model`) is the network the run trains, whose `optimizer` is the run's; the
-    user's callbacks see that network. The user's own model computes the metrics.
+    Its model (`set_model`) is the network the run trains (the user's model itself in tower
+    mode, a clone under a strategy), whose `optimizer` is the run's while it trains; the user's
+    callbacks see that network. The user's own model computes the metrics.
     """
 
     def __init__(self, model: keras.Model, callbacks, verbose: int, epochs: int, initial_epoch: int,
@@ -351,6 +357,8 @@ class _KerasFitLoop(keras.callbacks.Callback):
         self._loss_sum = 0.0  # of the updates of this epoch that this call applied
         self._epoch_updates: int | None = None  # those updates; None between epochs
         self._optimizer_state: list[np.ndarray] | None = None
+        # compile()'s, which the run's copy stands in for as the trained network's `optimizer`.
+        self.own_optimizer: keras.optimizers.Optimizer = model.optimizer
 
     def set_model(self, model: keras.Model) -> None:
         super().set_model(model)
@@ -364,7 +372,7 @@ class _KerasFitLoop(keras.callbacks.Callback):
         """Before the first update: a fresh run's optimizer continues the state of the model's
         own optimizer when it has trained before, as Keras's next fit would (a run resumed from
         its train_dir keeps the checkpoint's)."""
-        own, run = self._user_model.optimizer, self.model.optimizer
+        own, run = self.own_optimizer, self.model.optimizer
         if own.built and int(run.iterations) == 0:
             _copy_state([v.numpy() for v in own.variables], run)
         self.list.on_train_begin()
@@ -432,7 +440,7 @@ class _KerasFitLoop(keras.callbacks.Callback):
         """The user's optimizer built on the model's weights and given the run's state."""
         if self._optimizer_state is None:
             return
-        optimizer = self._user_model.optimizer
+        optimizer = self.own_optimizer
         if not optimizer.built:
             optimizer.build(self._user_model.trainable_variables)
         _copy_state(self._optimizer_state, optimizer)

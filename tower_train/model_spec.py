@@ -249,7 +249,7 @@ def build_model(spec: ModelSpec, source: Source, config: TrainConfig,
     check_logits(spec.label, logits, source)
     if not model.trainable_variables:
         raise UsageError(f"{what}: has no trainable variables, so there is nothing to train")
-    labels = example_labels(source)
+    labels = source.example_labels()
     keras_loss = model.loss_label if isinstance(model, KerasModel) else None
     loss_name = keras_loss or "per_example_loss"
     losses = call_user_code(lambda: model.per_example_loss(labels, logits),
@@ -287,12 +287,6 @@ def build_model(spec: ModelSpec, source: Source, config: TrainConfig,
                          "activity_regularizer), which a recomputed block would drop; train it "
                          "without --recompute")
     return model
-
-
-def example_labels(source: Source):
-    """All-zero labels (or targets) of one example of `source`, [1, ...]."""
-    return tf.nest.map_structure(lambda spec: tf.zeros([1, *spec.shape], spec.dtype),
-                                 source.label_spec)
 
 
 def check_logits(label: str, logits: tf.Tensor, source: Source) -> None:
