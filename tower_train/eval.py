@@ -109,7 +109,7 @@ def evaluate_checkpoint(model: object = None, data: object = None, *, checkpoint
             logging.info("%s was removed while the model was built: evaluating %s, now the latest",
                          gone, info.path)
     metrics = evaluation.make_metrics(metrics or [])
-    evaluation.check_metrics_against(metrics, net, source)
+    evaluation.check_metrics_against(metrics, net, source, config.eval_batch_size)
     logging.info("%s", plan.message)
     logging.info("%s", describe_weights(info.path, info.has_moving_average, use_ema))
     if average is not None:
