@@ -363,10 +363,23 @@ def test_a_metric_that_cannot_take_the_outputs_is_one_usage_error_line_before_tr
     with pytest.raises(tower_train.UsageError) as error:
         run(tmp_path / "run", eval_data=arrays(n=20, seed=1), metrics=[keras.metrics.F1Score()])
     line = str(error.value)
-    assert line.startswith("metrics: f1_score, on outputs float32 [1, 3] and labels int32 [1]: "), line
+    assert line.startswith("metrics: f1_score, on outputs float32 [20, 3] and labels int32 [20]: "), line
     assert line.endswith("ValueError: FBetaScore expects 2D inputs with shape (batch_size, "
-                         "output_dim). Received input shapes: y_pred.shape=(1, 3) and "
-                         "y_true.shape=(1,)."), line
+                         "output_dim). Received input shapes: y_pred.shape=(20, 3) and "
+                         "y_true.shape=(20,)."), line
+    assert "\n" not in line
+    assert not glob.glob(str(tmp_path / "run" / "ckpt-*"))
+
+
+@pytest.mark.parametrize("metric", [keras.metrics.AUC(), keras.metrics.Precision(name="precision_0")], ids=["auc", "precision"])
+def test_a_metric_that_broadcasts_one_example_but_not_a_batch_is_one_usage_error_line_before_training(
+        tmp_path, metric):
+    """[1] labels beside [1, 3] outputs broadcast, [20] beside [20, 3] do not: checked on one
+    example, such a metric passed and failed only at the final evaluation, naming no metric."""
+    with pytest.raises(tower_train.UsageError) as error:
+        run(tmp_path / "run", eval_data=arrays(n=20, seed=1), metrics=[metric])
+    line = str(error.value)
+    assert line.startswith(f"metrics: {metric.name}, on outputs float32 [20, 3] and labels int32 [20]: "), line
     assert "\n" not in line
     assert not glob.glob(str(tmp_path / "run" / "ckpt-*"))
 
@@ -385,6 +398,6 @@ def test_a_metric_whose_result_is_not_one_number_is_one_usage_error_line_before_
     with pytest.raises(tower_train.UsageError) as error:
         run(tmp_path / "run", eval_data=arrays(n=20, seed=1), metrics=[PerClass(name="per_class")])
     assert str(error.value) == (
-        "metrics: per_class, on outputs float32 [1, 3] and labels int32 [1]: its result has shape "
+        "metrics: per_class, on outputs float32 [20, 3] and labels int32 [20]: its result has shape "
         "[3], not one number to log (for F1Score and the like: average='macro' or 'micro')")
     assert not glob.glob(str(tmp_path / "run" / "ckpt-*"))

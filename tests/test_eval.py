@@ -5,6 +5,7 @@ The command's results are checked against weights restored here independently
 `evaluate()` with the command's batches and towers, and by a plain one-device pass.
 """
 import importlib
+import logging
 import os
 import re
 import shutil
@@ -500,3 +501,48 @@ def test_a_keras_models_checkpoint_is_evaluated_with_its_weights_or_their_moving
     assert evaluation.precision == pytest.approx(np.mean(above == 0), abs=1e-9)
     assert evaluation.metrics == {"top2": pytest.approx(np.mean(above < 2), abs=1e-6)}
     assert 0 < np.mean(above == 0) < np.mean(above < 2)  # top-2 is not top-1
+
+
+def test_a_checkpoint_rotated_away_while_the_model_is_built_is_followed_by_the_latest_or_one_line(
+        tmp_path, monkeypatch, caplog):
+    """As `python -m tower_train.eval` on a train_dir that a run writes: the picked checkpoint's
+    files are deleted (by the run's rotation) between the pick and the restore."""
+    import tower_train
+    from tower_train import model_spec
+    from tower_train.eval import evaluate_checkpoint
+
+    rng = np.random.default_rng(4)
+    x, held_x = (rng.normal(size=(n, 5)).astype(np.float32) for n in (64, 50))
+    y, held_y = (np.argmax(a[:, :4], axis=1) for a in (x, held_x))
+    source = tower_train.ArraySource(x, y, eval_features=held_x, eval_labels=held_y)
+    options = dict(model="eval_test_keras", data=source, num_gpus=2, batch_size=8, optimizer="sgd",
+                   learning_rate=0.5, ema_decay=0.0, train_dir=tmp_path / "run")
+    tower_train.fit(max_steps=3, checkpoint_every=1, **options)
+    at_2 = evaluate_checkpoint(checkpoint=str(tmp_path / "run" / "ckpt-2"), **options)
+    at_3 = evaluate_checkpoint(**options)
+    assert at_2.loss != at_3.loss
+    real_build = model_spec.build_model
+    saved = tmp_path / "saved"
+    saved.mkdir()
+    for path in (tmp_path / "run").glob("ckpt-3.*"):
+        shutil.copy(path, saved)
+
+    def build_then_rotate(*args, **kwargs):
+        model = real_build(*args, **kwargs)
+        for path in (tmp_path / "run").glob("ckpt-3.*"):
+            path.unlink()
+        return model
+
+    monkeypatch.setattr(model_spec, "build_model", build_then_rotate)
+    with pytest.raises(UsageError) as error:
+        evaluate_checkpoint(checkpoint=str(tmp_path / "run" / "ckpt-3"), **options)
+    assert str(error.value) == (f"--checkpoint={tmp_path}/run/ckpt-3: checkpoint {tmp_path}/run/ckpt-3 was removed "
+                                "while it was read (by the rotation of a run writing there?); name a newer one, or "
+                                "evaluate the directory's latest")
+    for path in saved.iterdir():  # ckpt-3 back, the latest again
+        shutil.copy(path, tmp_path / "run")
+    with caplog.at_level(logging.INFO, logger="absl"):
+        followed = evaluate_checkpoint(**options)
+    assert (followed.loss, followed.precision) == (at_2.loss, at_2.precision)
+    assert f"{tmp_path}/run/ckpt-3 was removed while the model was built: evaluating {tmp_path}/run/ckpt-2, now " \
+           "the latest" in caplog.text

@@ -10,6 +10,7 @@ checkpoint file is ever overwritten.
 from __future__ import annotations
 
 import dataclasses
+import glob
 import json
 import os
 import re
@@ -449,18 +450,49 @@ def model_label(name: str) -> str:
     return f"model={name}" if "." in name else f"--model={name}"
 
 
+class CheckpointGone(UsageError):
+    """The checkpoint being read was removed meanwhile: a run writing the train_dir rotated it
+    away. Evaluating a directory's latest then takes the latest again."""
+
+
+def _gone(path: str, read_whole: bool) -> bool:
+    """Whether the checkpoint `path` was removed: its index is gone, or, once it was read whole,
+    any of its files (one without data files from the start is damaged, not removed)."""
+    if not os.path.isfile(path + ".index"):
+        return True
+    return read_whole and not glob.glob(glob.escape(path) + ".data-*")
+
+
+def _gone_error(info_flag: str, path: str) -> CheckpointGone:
+    return CheckpointGone(f"{info_flag}: checkpoint {path} was removed while it was read (by the "
+                          "rotation of a run writing there?); name a newer one, or evaluate the "
+                          "directory's latest")
+
+
 def find_checkpoint(checkpoint: str | None, train_dir: str) -> CheckpointInfo:
     """The checkpoint to evaluate, checked readable: --checkpoint (a prefix, or a directory's
-    latest), else the latest in train_dir."""
+    latest), else the latest in train_dir. A directory's latest is its newest whole checkpoint
+    (one being saved has no index yet) that is still there once read: a run writing there may
+    remove it meanwhile."""
     directory = train_dir if checkpoint is None else checkpoint
     flag = f"--train_dir={train_dir}" if checkpoint is None else f"--checkpoint={checkpoint}"
-    if os.path.isdir(directory):
-        numbers = checkpoint_numbers(directory)  # from the files: the index may be lost
-        if not numbers:
-            raise UsageError(f"{flag}: holds no checkpoint{_NO_CHECKPOINT_HINT[checkpoint is None]}")
-        path = os.path.join(directory, f"ckpt-{numbers[0]}")
-    else:
-        path = _prefix(checkpoint)
+    if not os.path.isdir(directory):
+        return _read_checkpoint(_prefix(checkpoint), flag)
+    numbers = checkpoint_numbers(directory)  # from the files: the index may be lost
+    if not numbers:
+        raise UsageError(f"{flag}: holds no checkpoint{_NO_CHECKPOINT_HINT[checkpoint is None]}")
+    for number in numbers:
+        path = os.path.join(directory, f"ckpt-{number}")
+        if os.path.isfile(path + ".index"):
+            try:
+                return _read_checkpoint(path, flag)
+            except CheckpointGone:
+                continue  # the next newest
+    raise UsageError(f"{flag}: every checkpoint in it was removed or unfinished while it was read "
+                     "(a run writing there?); evaluate again")
+
+
+def _read_checkpoint(path: str, flag: str) -> CheckpointInfo:
     try:
         reader = tf.train.load_checkpoint(path)
         names = sorted(reader.get_variable_to_shape_map())
@@ -472,6 +504,8 @@ def find_checkpoint(checkpoint: str | None, train_dir: str) -> CheckpointInfo:
                 reader.get_tensor(name)
         roots = _root_objects(reader)
     except _READ_ERRORS as e:
+        if _gone(path, read_whole=False):
+            raise _gone_error(flag, path) from None
         raise UsageError(f"{flag}: checkpoint {path} is unreadable ({first_line(e)})") from None
     if "model" not in roots:
         raise UsageError(f"{flag}: checkpoint {path} holds no 'model' (not written by tower_train?)")
@@ -491,9 +525,15 @@ def _root_objects(reader) -> set[str]:
 
 def restore_for_evaluation(info: CheckpointInfo, objects: dict, model_name: str) -> None:
     """Restores `objects` ({"model": ..., maybe "moving_average": ...}) from the checkpoint;
-    the optimizer is not read. UsageError for a checkpoint of another network."""
-    mismatch = _shape_mismatch(types.SimpleNamespace(**objects),
-                               tf.train.load_checkpoint(info.path).get_variable_to_shape_map())
+    the optimizer is not read. UsageError for a checkpoint of another network; CheckpointGone
+    for one removed since `find_checkpoint` read it."""
+    try:
+        shapes = tf.train.load_checkpoint(info.path).get_variable_to_shape_map()
+    except _READ_ERRORS as e:
+        if _gone(info.path, read_whole=True):
+            raise _gone_error(info.flag, info.path) from None
+        raise UsageError(f"{info.flag}: checkpoint {info.path} is unreadable ({first_line(e)})") from None
+    mismatch = _shape_mismatch(types.SimpleNamespace(**objects), shapes)
     if mismatch:
         raise UsageError(f"{info.flag}: checkpoint {info.path} does not fit {model_label(model_name)} "
                          f"(a checkpoint of another network?): {mismatch}")
@@ -502,6 +542,8 @@ def restore_for_evaluation(info: CheckpointInfo, objects: dict, model_name: str)
             .assert_existing_objects_matched()
     # A checkpoint of another network fails the match (AssertionError) or a shape (ValueError).
     except _READ_ERRORS as e:
+        if _gone(info.path, read_whole=True):
+            raise _gone_error(info.flag, info.path) from None
         what = ("does not hold the weights of" if isinstance(e, AssertionError)
                 else "cannot be restored into")
         raise UsageError(f"{info.flag}: checkpoint {info.path} {what} {model_label(model_name)} "

@@ -6,10 +6,12 @@ import re
 
 class _OneLineError(Exception):
     """An error whose message reaches the user as one line: TensorFlow's wrapping of an op's
-    message that it quotes (`without_op_noise`) is left out here, once for every such error."""
+    message that it quotes (`without_op_noise`) is left out here, once for every such error.
+    (In __str__, not __init__: autograph re-raises an error traced in a tf.function as its own
+    type only if the type keeps Exception's __init__.)"""
 
-    def __init__(self, message: object = "", *args):
-        super().__init__(without_op_noise(str(message)), *args)
+    def __str__(self) -> str:
+        return without_op_noise(super().__str__())
 
 
 class UsageError(_OneLineError):

@@ -22,6 +22,7 @@ ever written.
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 from typing import TYPE_CHECKING
 
@@ -94,10 +95,21 @@ def evaluate_checkpoint(model: object = None, data: object = None, *, checkpoint
     with tf.device(plan.param_device):
         net = build_model(spec, source, config)
         average = MovingAverage(net.trainable_variables, config.ema_decay) if with_average else None
-    checkpoints.restore_for_evaluation(
-        info, {"model": net, **({"moving_average": average} if average is not None else {})}, spec.name)
+    objects = {"model": net, **({"moving_average": average} if average is not None else {})}
+    # Building the model takes seconds, in which a run writing the train_dir may rotate the
+    # checkpoint away: a directory's latest is then taken again, as often as there are kept ones.
+    for attempt in range(checkpoints.CHECKPOINTS_KEPT, -1, -1):
+        try:
+            checkpoints.restore_for_evaluation(info, objects, spec.name)
+            break
+        except checkpoints.CheckpointGone:
+            if not attempt or not os.path.isdir(checkpoint or config.train_dir):
+                raise
+            gone, info = info.path, checkpoints.find_checkpoint(checkpoint, config.train_dir)
+            logging.info("%s was removed while the model was built: evaluating %s, now the latest",
+                         gone, info.path)
     metrics = evaluation.make_metrics(metrics or [])
-    evaluation.check_metrics_against(metrics, net, source)
+    evaluation.check_metrics_against(metrics, net, source, config.eval_batch_size)
     logging.info("%s", plan.message)
     logging.info("%s", describe_weights(info.path, info.has_moving_average, use_ema))
     if average is not None:

@@ -116,10 +116,13 @@ def make_metrics(metrics: Sequence[str | keras.metrics.Metric]) -> list[keras.me
     return [keras.metrics.get(metric) if isinstance(metric, str) else metric for metric in metrics]
 
 
-def check_metrics_against(metrics: Sequence[keras.metrics.Metric], model, source: Source) -> None:
-    """Updates each metric once with the model's outputs on one example of `source` and all-zero
-    labels, as evaluation will, so that a metric that cannot take them fails before training;
-    then resets it.
+def check_metrics_against(metrics: Sequence[keras.metrics.Metric], model, source: Source,
+                          batch_size: int) -> None:
+    """Updates each metric once with the model's outputs on the first held-out batch of
+    `batch_size` and its labels and weights, as evaluation will, so that a metric that cannot
+    take them fails before training; then resets it. A real batch, not one example: on one,
+    broadcasting lets a metric take [1] labels beside [1, C] outputs that it refuses for [B].
+    Without held-out examples (nothing to evaluate), one example of the training data's shape.
 
     Raises:
       UsageError: a metric's update fails (one line naming it and the shapes), or its result is
@@ -127,20 +130,34 @@ def check_metrics_against(metrics: Sequence[keras.metrics.Metric], model, source
     """
     if not metrics:
         return
-    example = call_user_code(source.example_input, f"{source.name}: preprocess")
-    outputs = tf.cast(model(example, training=False), tf.float32)
-    labels = source.example_labels()
-    weights = tf.ones([1, *source.weight_shape], tf.float32)
+    batch = next(iter(source.eval_batches(batch_size)), None)
+    if batch is None:
+        features = call_user_code(source.example_input, f"{source.name}: preprocess")
+        labels = source.example_labels()
+        weights = tf.ones([1, *source.weight_shape], tf.float32)
+    else:
+        features, labels, weights = batch
+    outputs = tf.cast(model(features, training=False), tf.float32)
     for metric in metrics:
-        what = (f"metrics: {metric.name}, on outputs float32 {outputs.shape.as_list()} and labels "
-                f"{describe_nest(labels)}")
-        result = call_user_code(lambda: (metric.update_state(labels, outputs, sample_weight=weights),
-                                         metric.result())[1], what)
+        result = update_metric(metric, labels, outputs, weights, lambda: metric.result())
         metric.reset_state()
         if tf.convert_to_tensor(result).shape.rank != 0:
-            raise UsageError(f"{what}: its result has shape "
+            raise UsageError(f"{_metric_call(metric, labels, outputs)}: its result has shape "
                              f"{tf.convert_to_tensor(result).shape.as_list()}, not one number to "
                              "log (for F1Score and the like: average='macro' or 'micro')")
+
+
+def _metric_call(metric: keras.metrics.Metric, labels: tf.Tensor, outputs: tf.Tensor) -> str:
+    return (f"metrics: {metric.name}, on outputs {outputs.dtype.name} {outputs.shape.as_list()} and "
+            f"labels {describe_nest(labels)}")
+
+
+def update_metric(metric: keras.metrics.Metric, labels: tf.Tensor, outputs: tf.Tensor,
+                  weights: tf.Tensor, then: Callable[[], object] = lambda: None) -> object:
+    """`metric.update_state` on a batch, then `then()`: an error in either is one line naming the
+    metric and the shapes (`user_code.call_user_code`)."""
+    return call_user_code(lambda: (metric.update_state(labels, outputs, sample_weight=weights), then())[1],
+                          _metric_call(metric, labels, outputs))
 
 
 def shard_bounds(batch: int, num_shards: int) -> list[tuple[int, int]]:
@@ -250,7 +267,7 @@ def evaluate(model, source: Source, batch_size: int, devices: Sequence[str],
                                      in zip(outputs, shard_bounds(batch, len(devices)))
                                      if end > start], axis=0)
                 for metric in metrics:
-                    metric.update_state(labels, outputs, sample_weight=weights)
+                    update_metric(metric, labels, outputs, weights)
             else:
                 sums = run_shards(features, labels, weights)
             totals += sums.numpy()

@@ -354,7 +354,7 @@ def _train(config: TrainConfig, spec: ModelSpec, source: Source, mode: Mode, wat
     with watchdog.local_work():  # building and restoring: TF's collective timeout covers their waits
         run = Run.create(spec, source, mode)
         state = run.state
-        check_metrics_against(metrics, state.model, source)
+        check_metrics_against(metrics, state.model, source, config.eval_batch_size)
         log("%s%s", plan.message, tf32_note(plan.tower_devices, config.tf32))
         checkpoint = state.checkpoint()
         writer = checkpoints.CheckpointWriter(checkpoint, config.train_dir, record, worker.is_chief,
