@@ -97,6 +97,17 @@ def test_each_kind_computes_where_its_name_says_and_the_baselines_on_the_first_t
     assert workload.compute_devices() == devices
 
 
+@pytest.mark.parametrize("kind", ["plain", "keras_fit"])
+def test_the_baselines_train_under_xla_on_the_towers_first_device(built, kind):
+    # XLA compiles a whole step for the device it is called on, whatever its ops name: called
+    # from the host, the plain step failed to read its variables on /cpu:1.
+    config = TrainConfig(train_dir="/unused", num_gpus=TOWERS, batch_size=BATCH, jit_compile=True)
+    workload, state = built(f"{kind}_k1", config)
+    before = weights(state.model)
+    assert workload.run(1) > 0
+    assert all(not np.array_equal(b, a) for b, a in zip(before, weights(state.model)))
+
+
 def test_a_tower_kind_counts_its_bytes_per_update_and_the_state_each_device_holds(built):
     workload, state = built(f"tower_pscpu_k2_b{BATCH}")
     p = 4 * CNN_WEIGHTS  # bytes

@@ -270,7 +270,11 @@ def _plain(config: TrainConfig, device: str, dataset, batch_spec: tuple, state: 
     def run(updates: int) -> float:
         start = time.perf_counter()
         for _ in range(updates):
-            float(plain_step(*next(whole_batches)))
+            # Called on `device` too: XLA compiles the whole step for the caller's device, whatever
+            # device its ops name, and cannot read variables held elsewhere.
+            with tf.device(device):
+                loss = plain_step(*next(whole_batches))
+            float(loss)
         return time.perf_counter() - start
 
     def traced() -> list:
@@ -308,7 +312,8 @@ def _keras_fit(config: TrainConfig, device: str, dataset, batch_spec: tuple, sta
             weighted = tf.reduce_sum(losses * sample_weight) / tf.reduce_sum(sample_weight)
             return weighted + self.net.regularization()
 
-    optimizer = make_optimizer(config, config.global_batch, train_examples)
+    with tf.device(device):  # its counters too: a compiled step reads only its own device's variables
+        optimizer = make_optimizer(config, config.global_batch, train_examples)
     if config.accum > 1:  # Keras takes None, not 1, for no accumulation
         optimizer.gradient_accumulation_steps = config.accum
     class BatchClock(keras.callbacks.Callback):
@@ -327,8 +332,9 @@ def _keras_fit(config: TrainConfig, device: str, dataset, batch_spec: tuple, sta
         def on_train_batch_end(self, batch, logs=None):
             self.seconds = time.perf_counter() - self.start
 
-    model = FitModel()
-    model.compile(optimizer=optimizer, jit_compile=config.jit_compile)
+    with tf.device(device):  # and Keras's loss tracker
+        model = FitModel()
+        model.compile(optimizer=optimizer, jit_compile=config.jit_compile)
     clock = BatchClock()
 
     def run(updates: int) -> float:
