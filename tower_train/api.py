@@ -185,7 +185,7 @@ def check_data(config: TrainConfig, data: object) -> None:
         datasets.check_dataset(config.dataset, config.data_dir, config.augment)
         return
     if not isinstance(data, data_module.Source):
-        hint = (" (wrap a tf.data pipeline as DatasetSource(train=lambda: ...), unbatched)"
+        hint = (" (wrap a tf.data pipeline as DatasetSource(train=lambda: ...))"
                 if type(data).__module__.startswith("tensorflow") else "")
         raise UsageError(f"data={type(data).__name__}: expected a tower_train.ArraySource, "
                          "TFRecordSource, DatasetSource or another tower_train.data.Source, or numpy "
