@@ -174,7 +174,7 @@ DATA_CASES = [
     (dict(data=tf.data.Dataset.range(3)), "data=_RangeDataset: expected a tower_train.ArraySource, "
      "TFRecordSource, DatasetSource or another tower_train.data.Source, or numpy arrays (x, y) or "
      "(x, y, w) (or leave it out and name --dataset) (wrap a tf.data pipeline as "
-     "DatasetSource(train=lambda: ...), unbatched)"),
+     "DatasetSource(train=lambda: ...))"),
     (dict(data=arrays(), data_dir="/data"),
      "data_dir: is for a named --dataset; data=arrays was given as a source (augment in its preprocess)"),
     (dict(data=(X, Y), data_module="my_data"),

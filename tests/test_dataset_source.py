@@ -67,6 +67,34 @@ def test_a_shuffled_pipeline_resumes_bit_for_bit(tmp_path):
         np.testing.assert_array_equal(got, want)
 
 
+def test_a_batched_pipeline_trains_as_its_examples_unbatched_and_resumes_bit_for_bit(tmp_path):
+    """Batches of 10 (the last of each epoch 2), shuffled each epoch, and batches of 5 held out,
+    against the same pipelines unbatched; then 2 updates and a resume to 4 from the batched one."""
+    keras.utils.set_random_seed(5)
+    initial = sequential().get_weights()
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    held_out = lambda: tf.data.Dataset.from_tensor_slices(arrays(10, seed=1))  # noqa: E731
+
+    def fit(train, eval, train_dir, **options):  # noqa: A002
+        return tower_train.fit(model=with_weights(sequential, initial), loss=loss,
+                               data=tower_train.DatasetSource(train=train, eval=eval),
+                               num_gpus=2, batch_size=6, accum=2, train_dir=train_dir,
+                               **{**SGD_OPTIONS, "deterministic": True, "max_steps": 4, **options})
+
+    examples = fit(shuffled, held_out, tmp_path / "examples")
+    batched = fit(lambda: shuffled().batch(10), lambda: held_out().batch(5), tmp_path / "batched")
+    assert batched.step == 4 and batched.eval_examples == examples.eval_examples == 10
+    assert batched.eval_loss == examples.eval_loss
+    for got, want in zip(batched.model.get_weights(), examples.model.get_weights(), strict=True):
+        np.testing.assert_array_equal(got, want)
+    assert np.abs(batched.model.get_weights()[0] - initial[0]).max() > 1e-2  # it trained
+    fit(lambda: shuffled().batch(10), None, tmp_path / "resumed", max_steps=2)
+    resumed = fit(lambda: shuffled().batch(10), None, tmp_path / "resumed")
+    assert resumed.step == 4
+    for got, want in zip(resumed.model.get_weights(), examples.model.get_weights(), strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
 def stream(source, batches, **arguments):
     """The labels of the first `batches` batches of a training stream, and its features."""
     taken = list(source.train_stream(seed=3, **arguments).take(batches).as_numpy_iterator())
@@ -131,9 +159,6 @@ _, LABELS = arrays()
 TRAIN = "DatasetSource(train=test_dataset_source."
 LABELLED = f"{TRAIN}labelled.<locals>.<lambda>)"
 BAD = [
-    (dict(train=lambda: in_order().batch(8)), f"{TRAIN}<lambda>): train() returns a batched dataset"),
-    (dict(train=lambda: in_order().batch(8, drop_remainder=True).map(lambda x, y: (x, y))),
-     f"{TRAIN}<lambda>): train() returns a batched dataset (BatchDataset"),
     (dict(train=lambda: tf.data.Dataset.from_tensor_slices({"x": arrays()[0], "y": LABELS})),
      f"{TRAIN}<lambda>): train() yields a dict (x, y): expected (features, labels) or "
      "(features, labels, weights) tensors"),
@@ -144,13 +169,14 @@ BAD = [
     (dict(train=labelled(LABELS, np.ones((EXAMPLES, 2), np.float32))),
      f"{LABELLED}: train()'s weights are float32 [2]: they must be numbers of the labels' shape []"),
     (dict(train="train.tfrecord"), "DatasetSource(train='train.tfrecord'): must be a zero-argument "
-                                   "callable returning an unbatched tf.data.Dataset"),
+                                   "callable returning a tf.data.Dataset"),
+    (dict(train=lambda: in_order().batch(8).map(lambda x, y: (tf.reduce_sum(x), tf.reduce_max(y)))),
+     f"{TRAIN}<lambda>): train() returns a batched dataset (BatchDataset: .batch, .padded_batch, "
+     ".ragged_batch or a bucketing) that cannot be unbatched into examples"),
     (dict(train=lambda: arrays()), f"{TRAIN}<lambda>): train() returned tuple, not a tf.data.Dataset"),
     (dict(train=lambda: in_order().shuffle(EXAMPLES)),
      f"{TRAIN}<lambda>): train() is not deterministic: two calls gave different examples among "
      "the first 16 (a shuffle without a seed?"),
-    (dict(train=in_order, eval=lambda: tf.data.Dataset.from_tensor_slices(arrays(10)).batch(5)),
-     "DatasetSource(eval=test_dataset_source.<lambda>): eval() returns a batched dataset"),
     (dict(train=infinite), f"{TRAIN}infinite): train() is infinite, so its labels cannot be "
                            "counted: give DatasetSource(num_classes=...)"),
 ]

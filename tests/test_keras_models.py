@@ -8,7 +8,7 @@ import tensorflow as tf
 
 import tower_train
 from tower_train import keras_model
-from keras_reference import (CLASSES, FEATURES, LR, SGD_OPTIONS, UPDATES, arrays, assert_same_weights, functional,
+from keras_reference import (CLASSES, EXAMPLES, FEATURES, G, LR, SGD_OPTIONS, UPDATES, arrays, assert_same_weights, functional,
                              keras_fit, sequential, with_weights)
 
 # (num_gpus, batch_size, accum): N x B x K = G.
@@ -59,6 +59,30 @@ def test_a_functional_model_and_a_loss_name_train_to_the_weights_of_kerass_own_f
     result = tower_fit(model, "sparse_categorical_crossentropy", tmp_path, layout=(3, 4, 2))
     assert result.model is model
     assert_same_weights(model.get_weights(), expected)
+
+
+def test_a_one_unit_sigmoid_with_integer_labels_trains_to_the_weights_of_kerass_own_fit(tmp_path):
+    # Integer 0/1 labels of shape [n] against [n, 1] outputs: Keras casts them to the outputs'
+    # dtype and brings them to the outputs' rank; broadcast instead, each loss would be a mean over
+    # the whole batch's labels.
+    x, classes = arrays()
+    labels = classes % 2
+
+    def make():
+        return keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(8, activation="tanh"),
+                                 keras.layers.Dense(1, activation="sigmoid")])
+
+    keras.utils.set_random_seed(3)
+    initial = make().get_weights()
+    reference = with_weights(make, initial)
+    reference.compile(keras.optimizers.SGD(LR), "binary_crossentropy")
+    reference.fit(x, labels, batch_size=G, shuffle=False, epochs=UPDATES * G // EXAMPLES, verbose=0)
+    model = with_weights(make, initial)
+    result = tower_train.fit(model=model, loss="binary_crossentropy", data=(x, labels), shuffle=False,
+                             num_gpus=2, batch_size=6, accum=2, train_dir=tmp_path / "run", **SGD_OPTIONS)
+    assert result.step == UPDATES and labels.dtype.kind == "i"
+    assert_same_weights(model.get_weights(), reference.get_weights())
+    assert np.abs(model.get_weights()[0] - initial[0]).max() > 1e-2  # it trained
 
 
 class Subclassed(keras.Model):

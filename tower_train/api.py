@@ -113,10 +113,12 @@ def prepare_devices(config: TrainConfig, announce: bool = False):
 
 
 def array_source(data: object, eval_data: object, shuffle: bool | None,
-                 num_classes: int | None) -> object:
+                 num_classes: int | None, model: object = None) -> object:
     """`data` as fit takes it, with `data=(x, y[, w])` and `eval_data=(x, y[, w])` numpy arrays
     made the ArraySource they stand for (`shuffle` and `num_classes` its own; by default it
-    shuffles, and counts the classes from the labels). No TensorFlow op runs.
+    shuffles, and counts the classes from the labels). Integer labels for a `model` of one output
+    unit (`_one_unit_output`) are 0/1 targets, cast to float32 as Keras's binary losses cast them:
+    as class labels they would need one output per class. No TensorFlow op runs.
 
     Raises:
       UsageError: eval_data or shuffle without arrays, or arrays that do not fit together.
@@ -138,9 +140,38 @@ def array_source(data: object, eval_data: object, shuffle: bool | None,
                              f"{f' of {len(value)}' if isinstance(value, tuple) else ''}")
     if shuffle is not None and not isinstance(shuffle, bool):
         raise UsageError(f"shuffle={shuffle!r}: must be True or False")
+    if _one_unit_output(model):
+        data, eval_data = (None if arrays is None else _float_labels(arrays)
+                           for arrays in (data, eval_data))
     held_out = (None, None, None) if eval_data is None else (*eval_data, None)[:3]
     return ArraySource(*(*data, None)[:3], *held_out, shuffle=True if shuffle is None else shuffle,
                        num_classes=num_classes)
+
+
+def _one_unit_output(model: object) -> bool:
+    """Whether `model` is a keras.Model (no TowerModel) of one output whose last dimension is 1,
+    such as a 1-unit sigmoid; False where its outputs are not known before it is called."""
+    keras = sys.modules.get("keras")  # a keras.Model exists only once Keras is imported
+    if keras is None or not isinstance(model, keras.Model):
+        return False
+    from tower_train.models import TowerModel
+
+    try:
+        outputs = model.outputs  # Sequential and functional models with an Input
+    except (AttributeError, ValueError):
+        return False
+    return (not isinstance(model, TowerModel) and isinstance(outputs, list) and len(outputs) == 1
+            and outputs[0].shape[-1] == 1)
+
+
+def _float_labels(arrays: tuple) -> tuple:
+    """(x, y[, w]) with integer labels y as float32."""
+    import numpy as np
+
+    labels = arrays[1]
+    if isinstance(labels, np.ndarray) and np.issubdtype(labels.dtype, np.integer):
+        return (arrays[0], labels.astype(np.float32), *arrays[2:])
+    return arrays
 
 
 def check_data(config: TrainConfig, data: object) -> None:
@@ -154,7 +185,7 @@ def check_data(config: TrainConfig, data: object) -> None:
         datasets.check_dataset(config.dataset, config.data_dir, config.augment)
         return
     if not isinstance(data, data_module.Source):
-        hint = (" (wrap a tf.data pipeline as DatasetSource(train=lambda: ...), unbatched)"
+        hint = (" (wrap a tf.data pipeline as DatasetSource(train=lambda: ...))"
                 if type(data).__module__.startswith("tensorflow") else "")
         raise UsageError(f"data={type(data).__name__}: expected a tower_train.ArraySource, "
                          "TFRecordSource, DatasetSource or another tower_train.data.Source, or numpy "
@@ -241,7 +272,7 @@ def fit(model: object = None, data: object = None, *, num_classes: int | None = 
         worker = cluster.this_worker(config.cluster)
     else:
         worker = cluster.SINGLE_PROCESS
-    data = array_source(data, eval_data, shuffle, num_classes)
+    data = array_source(data, eval_data, shuffle, num_classes, model)
     check_data(config, data)
     if model is None:
         from tower_train.models import model_class

@@ -4,9 +4,10 @@
         train=lambda: tf.data.Dataset.from_tensor_slices((x, y)).shuffle(10_000, seed=1),
         eval=lambda: tf.data.Dataset.from_tensor_slices((xe, ye)))
 
-`train` and `eval` are zero-argument callables that return an UNBATCHED `tf.data.Dataset` of
-``(features, labels)`` or ``(features, labels, weights)``, one example per element. The class
-docstring says how that becomes the one training stream of `tower_train.data`.
+`train` and `eval` are zero-argument callables that return a `tf.data.Dataset` of
+``(features, labels)`` or ``(features, labels, weights)``, one example per element, or batched
+as Keras's fit takes it (read as its examples, in order). The class docstring says how that
+becomes the one training stream of `tower_train.data`.
 """
 
 from __future__ import annotations
@@ -27,7 +28,11 @@ _LABELS_READ_AT_ONCE = 4096  # labels per batch while `check` counts the classes
 
 
 class DatasetSource(Source):
-    """A `tf.data` pipeline of the user's: ``train()`` and ``eval()`` return unbatched datasets.
+    """A `tf.data` pipeline of the user's: ``train()`` and ``eval()`` return datasets of examples.
+
+    A batched pipeline (``.batch``, as Keras's fit takes it) is read unbatched (``unbatch``):
+    its examples in order, which the trainer batches again by batch_size x towers x accum, so
+    its own batch size changes nothing, and positions and resumes count examples as below.
 
     The training stream is ``train()`` read from its start and repeated as ``Dataset.repeat``
     repeats it: epoch e is the e-th pass over that one dataset, so a shuffle with
@@ -53,8 +58,8 @@ class DatasetSource(Source):
     examples of one process (each worker does all of the pipeline's work).
 
     Args:
-      train: zero-argument callable -> unbatched `tf.data.Dataset` of (features, labels) or
-        (features, labels, weights): features of any dtype, labels integers in
+      train: zero-argument callable -> `tf.data.Dataset` of (features, labels) or
+        (features, labels, weights), unbatched or batched: features of any dtype, labels integers in
         0 .. num_classes - 1, weights numbers >= 0 of the labels' shape (every label counts 1
         without them); each of a fully known shape. Finite, or infinite with `num_classes`.
       eval: the same for the held-out set (every example once, in order; the last batch may be
@@ -71,7 +76,7 @@ class DatasetSource(Source):
 
     Raises:
       DataError: train or eval not callable, in one line; from `check`: a dataset that is not a
-        `tf.data.Dataset`, is batched, is of another structure, labels that are not integers,
+        `tf.data.Dataset`, is of another structure, labels that are not integers,
         weights not of the labels' shape, features or labels of train and eval that differ, or a
         train() that is not deterministic, each in one line naming train= or eval=.
       UserCodeError: train() or eval() raised (one line with its file:line); from `check`.
@@ -85,7 +90,7 @@ class DatasetSource(Source):
         for role, function in (("train", train), ("eval", eval)):
             if not callable(function) and not (role == "eval" and function is None):
                 raise DataError(f"DatasetSource({role}={function!r}): must be a zero-argument callable "
-                                "returning an unbatched tf.data.Dataset of (features, labels) or "
+                                "returning a tf.data.Dataset of (features, labels) or "
                                 f"(features, labels, weights){' (or None)' if role == 'eval' else ''}")
         if num_classes is not None and (isinstance(num_classes, bool) or not isinstance(
                 num_classes, (int, np.integer)) or num_classes < 1):
@@ -189,12 +194,19 @@ class DatasetSource(Source):
         return f"DatasetSource({role}={getattr(function, '__module__', None) or '?'}.{label})"
 
     def _dataset(self, role: str) -> tf.data.Dataset:
-        """A fresh dataset from the user's `train` or `eval`."""
+        """A fresh dataset of examples from the user's `train` or `eval`, unbatched if batched."""
         culprit = self._culprit(role)
         dataset = call_user_code(getattr(self, role), culprit)
         if not isinstance(dataset, tf.data.Dataset):
             raise DataError(f"{culprit}: {role}() returned {type(dataset).__name__}, not a "
                             "tf.data.Dataset of (features, labels) or (features, labels, weights)")
+        batching = _batching(dataset)
+        if batching:
+            try:
+                dataset = dataset.unbatch()
+            except ValueError as e:  # an element of rank 0: tf.data says which
+                raise DataError(f"{culprit}: {role}() returns a batched dataset ({batching}) that "
+                                f"cannot be unbatched into examples ({' '.join(str(e).split())})") from None
         return dataset
 
     def _example_specs(self, role: str, dataset: tf.data.Dataset) -> tuple[tf.TensorSpec, ...]:
@@ -205,11 +217,6 @@ class DatasetSource(Source):
         if not isinstance(spec, tuple) or len(spec) not in (2, 3) or not all(
                 isinstance(s, tf.TensorSpec) for s in spec):
             raise DataError(f"{culprit}: {role}() yields {_describe(spec)}: expected {expected}")
-        batching = _batching(dataset)
-        if batching:
-            raise DataError(f"{culprit}: {role}() returns a batched dataset ({batching}): give one "
-                            "example per element, unbatched; the trainer alone batches them "
-                            "(batch_size x towers x accum)")
         for what, s in zip(("features", "labels", "weights"), spec):
             if not s.shape.is_fully_defined():
                 batched = s.shape.rank and s.shape[0] is None

@@ -18,6 +18,7 @@ from typing import Callable
 
 import keras
 import tensorflow as tf
+from keras.src.losses.losses import LossFunctionWrapper  # what compile() wraps a loss name in
 
 from tower_train.errors import UsageError
 from tower_train.models import TowerModel
@@ -51,7 +52,9 @@ def per_label_loss(loss: object) -> tuple[PerLabelLoss, str]:
     loss per label) as a function of one loss per label, and its label for messages.
 
     A `keras.losses.Loss` is used with reduction none: it would otherwise reduce a tower's shard
-    to its mean, and the update rule weighs each label itself.
+    to its mean, and the update rule weighs each label itself. A name is wrapped as compile()
+    wraps it (`LossFunctionWrapper`), which brings labels and outputs to the same rank: Keras's
+    functions alone would broadcast [b] labels against a 1-unit sigmoid's [b, 1] outputs to [b, b].
 
     Raises:
       UsageError: an unknown name, or something that is no loss.
@@ -63,6 +66,8 @@ def per_label_loss(loss: object) -> tuple[PerLabelLoss, str]:
             raise UsageError(f"loss={loss!r}: not a Keras loss name (keras.losses), such as "
                              "'sparse_categorical_crossentropy'") from None
         label = f"loss={loss}"
+        if not isinstance(resolved, keras.losses.Loss):
+            resolved = LossFunctionWrapper(resolved, name=loss)
     elif isinstance(loss, keras.losses.Loss):
         resolved, label = loss, f"loss={type(loss).__name__}"
     elif callable(loss):
