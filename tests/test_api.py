@@ -1,7 +1,10 @@
 """tower_train.fit's bad input: a UsageError of one line that names the culprit, raised before
-anything is written; errors in the user's own model code name its file and line."""
+anything is written; errors in the user's own model code name its file and line; the log lines a
+script gets."""
 import inspect
+import logging
 import os
+import sys
 
 import keras
 import numpy as np
@@ -334,3 +337,37 @@ def test_a_tracing_error_in_a_model_module_given_as_a_path_is_one_line_from_the_
                         f"[1, 24, 24, 3]: {tmp_path / 'eager_models.py'}:12: AttributeError: "
                         "'SymbolicTensor' object has no attribute 'numpy'")
     assert not (tmp_path / "run").exists()
+
+
+def test_a_script_whose_stderr_is_no_terminal_gets_a_progress_line_every_log_every_and_the_resume(
+        tmp_path, caplog, monkeypatch):
+    """absl's logger at WARNING, as a script leaves it (and TensorFlow after saving a SavedModel),
+    would drop fit's INFO lines; stderr a file, so no live line. fit logs them anyway, through
+    absl's logger as the command line does, and leaves its level as it was."""
+    from absl import logging as absl_logging
+
+    absl = absl_logging.get_absl_logger()
+    level = absl.level
+    absl.setLevel(logging.WARNING)
+    options = dict(model=FiveLogits, data=arrays(classes=5), num_gpus=2, batch_size=4,
+                   log_every=2, train_dir=tmp_path / "run")
+    lines = []
+    try:
+        with (tmp_path / "stderr").open("w") as stderr:
+            monkeypatch.setattr(sys, "stderr", stderr)
+            for max_steps in (3, 5):
+                caplog.clear()
+                tower_train.fit(max_steps=max_steps, **options)
+                lines.append([r.getMessage() for r in caplog.records
+                              if r.name == "absl" and r.levelno == logging.INFO])
+                assert absl.level == logging.WARNING
+            monkeypatch.undo()
+    finally:
+        absl.setLevel(level)
+    steps = [[line.split(",")[0] for line in run if line.startswith("step ") and "loss = " in line]
+             for run in lines]
+    # Each process's first update (untimed), then every log_every and the last (max_steps).
+    assert steps == [["step 1", "step 2", "step 3"], ["step 4", "step 5"]], lines
+    assert f"resumed from {tmp_path / 'run' / 'ckpt-3'} at step 3" in lines[1]
+    assert not any(line.startswith("resumed from") for line in lines[0])
+    assert any(line.startswith("done: step 5") for line in lines[1])

@@ -222,8 +222,14 @@ def test_held_out_loss_and_metrics_reach_the_log_tensorboard_and_the_result(hear
         for event in tf.compat.v1.train.summary_iterator(path):
             for value in event.summary.value:
                 scalars[(value.tag, event.step)] = float(tf.make_ndarray(value.tensor))
+    # TensorBoard's tags are the history's names; the final evaluation, after the last update,
+    # is written at its step too, with the values checked against numpy above.
+    assert sorted(step for tag, step in scalars if tag.startswith("val_")) == [2, 2, 2, 4, 4, 4]
     for name in ("precision", "loss", "top2"):
-        assert scalars[(f"eval_{name}", 2)] == pytest.approx(result.history[f"val_{name}"][0])
+        assert scalars[(f"val_{name}", 2)] == pytest.approx(result.history[f"val_{name}"][0])
+    final = {"precision": result.eval_precision, "loss": result.eval_loss, **result.eval_metrics}
+    for name, value in final.items():
+        assert scalars[(f"val_{name}", 4)] == pytest.approx(value, rel=1e-6), name
 
 
 def checkpoint_values(prefix):

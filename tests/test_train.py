@@ -51,7 +51,7 @@ def test_cli_run_writes_checkpoints_and_logs_then_resumes(tmp_path):
     assert {name.split("/")[0] for name in values} >= {"model", "optimizer", "step", "moving_average"}
     tags = scalar_tags(str(train_dir))
     assert tags["loss"] == [2, 4] and tags["learning_rate"] == [2, 4]
-    assert tags["eval_precision"] == tags["eval_loss"] == [2]
+    assert tags["val_precision"] == tags["val_loss"] == [2, 4]  # --eval_every and the end
     assert tags["examples_per_sec"] == [2, 4]
 
     resumed = run_cli(*args, "--max_steps=6")

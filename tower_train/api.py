@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import sys
+from typing import Iterator
 
 from tower_train import cluster
 from tower_train.config import TrainConfig, check_directories
@@ -214,7 +216,7 @@ def check_input_memory(config: TrainConfig, source, towers: int) -> None:
 def fit(model: object = None, data: object = None, *, num_classes: int | None = None,
         loss: object = None, eval_data: tuple | None = None, shuffle: bool | None = None,
         callbacks: list | None = None, metrics: list | None = None, stop=None,
-        watchdog: cluster.PeerClock | None = None, **options):
+        watchdog: cluster.PeerClock | None = None, show_progress: bool = True, **options):
     """Trains `model` on `data` until --max_steps updates, resuming from train_dir.
 
     Args:
@@ -242,6 +244,11 @@ def fit(model: object = None, data: object = None, *, num_classes: int | None = 
       stop: a `tower_train.stop_signals.StopSignals` to stop at an update boundary on SIGTERM,
         SIGINT or SIGHUP (the CLI passes one); None leaves signals alone.
       watchdog: told of progress and of local work (the CLI's multi-worker `PeerWatchdog`).
+      show_progress: True: a live line when stderr is a terminal, and the run's log lines (the
+        start, "resumed from", a progress line every log_every updates when stderr is no
+        terminal, the end) shown even where the logging set-up would drop them (`log_shown`).
+        False: neither, for a caller that shows its own (`tower_train.keras.fit` prints Keras's);
+        the lines then go where the logging set-up sends them.
       **options: every training option, by its flag's name (see `TrainConfig`); `optimizer`
         may also be a `keras.optimizers.Optimizer` object (a copy of it trains, with its own
         rate or schedule and clipping: the learning-rate options are then refused).
@@ -281,13 +288,37 @@ def fit(model: object = None, data: object = None, *, num_classes: int | None = 
     from tower_train.run_dir import TrainDirLock
 
     # The chief writes the checkpoints, so it holds the train_dir for the whole run.
-    with TrainDirLock(config.train_dir) if worker.is_chief else contextlib.nullcontext():
+    shown = log_shown() if show_progress else contextlib.nullcontext()
+    with TrainDirLock(config.train_dir) if worker.is_chief else contextlib.nullcontext(), shown:
         return _fit(config, worker, model, loss, optimizer, data, num_classes, callbacks or [],
-                    metrics or [], stop, watchdog or cluster.PeerClock())
+                    metrics or [], stop, watchdog or cluster.PeerClock(),
+                    show_progress and sys.stderr.isatty())
+
+
+@contextlib.contextmanager
+def log_shown() -> Iterator[None]:
+    """absl's logger, which the run logs to, at INFO while in the block when it would drop INFO
+    lines (a script's default: WARNING), its level restored afterwards. A script whose stderr is
+    a log file, a CI log or a notebook then gets the run's lines as the command line's log does,
+    through absl's handler or, where logging has none, the stderr handler that absl's first line
+    sets up. A level set above INFO is raised too: TensorFlow sets WARNING after saving a
+    SavedModel, which cannot be told from a user's choice (show_progress=False keeps it)."""
+    from absl import logging as absl_logging
+
+    logger = absl_logging.get_absl_logger()
+    if logger.isEnabledFor(logging.INFO):  # the CLI's INFO, or a lower level
+        yield
+        return
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def _fit(config: TrainConfig, worker, model, loss, optimizer, data, num_classes, callbacks,
-         metrics, stop, watchdog: cluster.PeerClock):
+         metrics, stop, watchdog: cluster.PeerClock, live_progress: bool):
     """`fit` once the inputs are checked and the train_dir is this run's."""
     plan = prepare_devices(config)
 
@@ -309,7 +340,7 @@ def _fit(config: TrainConfig, worker, model, loss, optimizer, data, num_classes,
         spec = resolve_model(model, config, num_classes, source.num_classes, loss, optimizer)
     try:
         return trainer.train(config, spec, source, mode, watchdog, stop,
-                             live_progress=sys.stderr.isatty(), callbacks=callbacks,
+                             live_progress=live_progress, callbacks=callbacks,
                              metrics=metrics)
     except (tf.errors.UnavailableError, tf.errors.DeadlineExceededError,
             tf.errors.CancelledError, tf.errors.AbortedError) as e:

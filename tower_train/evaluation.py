@@ -61,9 +61,10 @@ class Evaluation:
                          if value is not None)
 
     def scalars(self) -> dict[str, float]:
-        """Its quantities by TensorBoard tag (eval_<name>)."""
-        values = {"eval_precision": self.precision, "eval_loss": self.loss,
-                  **{f"eval_{name}": value for name, value in self.metrics.items()}}
+        """Its quantities by TensorBoard tag: val_<name>, as in TrainResult.history and the
+        callbacks' logs (Keras's names)."""
+        values = {"val_precision": self.precision, "val_loss": self.loss,
+                  **{f"val_{name}": value for name, value in self.metrics.items()}}
         return {tag: value for tag, value in values.items() if value is not None}
 
 

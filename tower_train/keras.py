@@ -135,7 +135,7 @@ def fit(model: keras.Model, x: Any = None, y: Any = None, batch_size: int | None
         # strategy must make its own copy of the weights, so it trains a clone.
         in_place = options.get("mode", TrainConfig.mode) == TrainConfig.mode
         api.fit(model=(lambda: model) if in_place else model, loss=CompiledLoss(model, *first), optimizer=model.optimizer, data=source,
-                callbacks=[loop], num_gpus=num_gpus, accum=accum, batch_size=batch_size // towers,
+                callbacks=[loop], show_progress=False, num_gpus=num_gpus, accum=accum, batch_size=batch_size // towers,
                 max_steps=(epochs - initial_epoch) * per_epoch, train_dir=train_dir, **options)
     finally:
         # The run gave the trained network its optimizer (callbacks.py); compile()'s goes back.

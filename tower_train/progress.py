@@ -9,7 +9,9 @@ and then every --log_every updates:
 
 The first update of a process traces the step functions, so it is reported but
 not timed. TensorBoard gets loss, learning rate, examples/sec and, in float16,
-the loss scale every --log_every updates, whichever way progress is shown. A
+the loss scale every --log_every updates, whichever way progress is shown, and
+the held-out quantities under their history names (val_loss, ...) at each
+held-out evaluation, the final one included (trainer.py). A
 summary that cannot be written (a full disk) turns them off with one warning and
 training goes on: the checkpoints, which a resume needs, report their own failures.
 

@@ -384,34 +384,39 @@ def _train(config: TrainConfig, spec: ModelSpec, source: Source, mode: Mode, wat
                             mode.any_worker, watchdog, source.describe_error, keras_callbacks)
     if stop is not None:
         stop.listen(config.stop_grace_period, config.train_dir)
-    try:
-        loss = controller.run()
-    finally:
-        controller.batches = batches = None  # stops the input pipeline's work ahead
-        for hook in hooks:
-            hook.close()
-        summaries.close()
-        writer.close()
-        if stop is not None:
-            stop.close()
+    try:  # the summaries stay open for the final held-out evaluation
+        try:
+            loss = controller.run()
+        finally:
+            controller.batches = batches = None  # stops the input pipeline's work ahead
+            for hook in hooks:
+                hook.close()
+            writer.close()
+            if stop is not None:
+                stop.close()
 
-    run.inner.sync_state()  # what the evaluation, the export and the caller read
-    # Each step of the end is timed in the log, so a pause after the last update is never silent.
-    with watchdog.local_work():
-        started = time.perf_counter()
-        evaluation = evaluate(state.model, source, config.eval_batch_size, plan.tower_devices,
-                              metrics)
-        log("held-out evaluation: %d examples in %.2f s", evaluation.examples,
-            time.perf_counter() - started)
-        if config.export_dir and worker.is_chief:
-            log("exporting a SavedModel to %s", config.export_dir)
+        run.inner.sync_state()  # what the evaluation, the export and the caller read
+        # Each step of the end is timed in the log, so a pause after the last update is never
+        # silent.
+        with watchdog.local_work():
             started = time.perf_counter()
-            export_saved_model(spec, source, state.model, state.moving_average, config.export_dir)
-            log("exported in %.2f s", time.perf_counter() - started)
-    step = _value(state.step)
-    # A callback can stop the run right after the hook evaluated.
-    if evaluation.loss is not None and history["val_step"][-1:] != [step]:
-        record_evaluation(history, step, evaluation)
+            evaluation = evaluate(state.model, source, config.eval_batch_size, plan.tower_devices,
+                                  metrics)
+            log("held-out evaluation: %d examples in %.2f s", evaluation.examples,
+                time.perf_counter() - started)
+            if config.export_dir and worker.is_chief:
+                log("exporting a SavedModel to %s", config.export_dir)
+                started = time.perf_counter()
+                export_saved_model(spec, source, state.model, state.moving_average,
+                                   config.export_dir)
+                log("exported in %.2f s", time.perf_counter() - started)
+        step = _value(state.step)
+        # A callback can stop the run right after the hook evaluated.
+        if evaluation.loss is not None and history["val_step"][-1:] != [step]:
+            record_evaluation(history, step, evaluation)
+            summaries.scalars(step, evaluation.scalars())
+    finally:
+        summaries.close()
     weights_written_by = None
     if keras_callbacks is not None:
         controller.call_callbacks(keras_callbacks.train_end)
