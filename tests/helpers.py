@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import codecs
-import functools
 import os
 import re
 import selectors
@@ -184,15 +183,3 @@ def end_pause_seconds(log: str, last_step: int) -> float:
     return seconds_between(log, f"step {last_step}, loss", f"done: step {last_step}") - logged
 
 
-
-@functools.cache
-def bfloat16_convolutions() -> bool:
-    """Whether this CPU's oneDNN makes a bfloat16 convolution. Not under ONEDNN_MAX_CPU_ISA=AVX2,
-    for one ("could not create a primitive descriptor"): a bfloat16 run of a convolutional model
-    cannot start there, whatever tower-train does."""
-    try:
-        with tf.device("/cpu:0"):
-            tf.nn.conv2d(tf.ones([1, 4, 4, 1], tf.bfloat16), tf.ones([3, 3, 1, 1], tf.bfloat16), 1, "SAME")
-        return True
-    except tf.errors.OpError:
-        return False

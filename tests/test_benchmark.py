@@ -273,6 +273,7 @@ def test_ops_profiles_each_configuration_and_finds_the_input_pipeline(tmp_path):
     assert [row[0] for row in rows] == list(results)
 
 
+@pytest.mark.bf16
 def test_tower_only_flags_reach_the_tower_kinds_and_leave_the_strategy_kinds_alone(tmp_path):
     out = tmp_path / "traffic.json"
     result = benchmark(f"--num_gpus={TOWERS}", f"--batch_size={BATCH}", "--measure=traffic",

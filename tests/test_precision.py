@@ -39,7 +39,7 @@ def relative_error(got: list[np.ndarray], want: list[np.ndarray]) -> float:
     return float(difference / np.sqrt(sum(np.sum(w ** 2) for w in want)))
 
 
-@pytest.mark.parametrize("precision, compute_dtype, tolerance", [("bf16", "bfloat16", 0.05),
+@pytest.mark.parametrize("precision, compute_dtype, tolerance", [pytest.param("bf16", "bfloat16", 0.05, marks=pytest.mark.bf16),
                                                                   ("fp16", "float16", 0.01)])
 def test_low_precision_towers_apply_the_float32_update_to_float32_weights(
         precision, compute_dtype, tolerance):
@@ -173,7 +173,9 @@ def trained(run, updates: int = 3) -> list[np.ndarray]:
 
 
 @pytest.mark.parametrize("precision, accum, tower_weights", [
-    ("bf16", 1, "per_update"), ("bf16", 3, "per_update"), ("bf16", 3, "per_micro_step"),
+    pytest.param("bf16", 1, "per_update", marks=pytest.mark.bf16),
+    pytest.param("bf16", 3, "per_update", marks=pytest.mark.bf16),
+    pytest.param("bf16", 3, "per_micro_step", marks=pytest.mark.bf16),
     ("fp16", 3, "per_update")], ids=["bf16-direct-reads-k1", "bf16-copies", "bf16-direct-reads", "fp16-copies"])
 def test_weights_sent_in_the_compute_dtype_give_bit_identical_updates(monkeypatch, precision, accum,
                                                                       tower_weights):
@@ -196,6 +198,7 @@ def test_weights_sent_in_the_compute_dtype_give_bit_identical_updates(monkeypatc
     assert any(not np.array_equal(r, w) for r, w in zip(rounded, want, strict=True))
 
 
+@pytest.mark.bf16
 def test_bf16_gradient_transfer_is_exact_at_k1_under_bf16_and_rounds_the_sums_at_k2():
     """Under --precision=bf16 a tower's gradient of a weight it reads in bfloat16 is a bfloat16
     value, so at K = 1 sending it in bfloat16 loses nothing; a sum of two is not, so at K = 2 it

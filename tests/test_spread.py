@@ -13,7 +13,7 @@ import tower_train
 from tower_train.devices import Slice, canonical_device, slice_rows
 from tower_train.inner_step import Decision
 from tower_train.traffic import count_traffic
-from helpers import bfloat16_convolutions, make_run, weights
+from helpers import make_run, weights
 from test_train import checkpoint_values
 from test_traffic import batch_spec, size_in_bytes
 
@@ -123,15 +123,14 @@ EQUIVALENT = [
     (dict(num_gpus=2, accum=2, batch_size=2, model="resnet20", optimizer="momentum", learning_rate=0.01), 1e-5),
     (dict(num_gpus=2, accum=2, precision="fp16", transfer_precision="fp16", optimizer="adam",
           learning_rate=1e-4), 1e-3),
-    (dict(num_gpus=2, accum=2, precision="bf16", transfer_precision="bf16", optimizer="momentum"), 1e-3),
+    pytest.param(dict(num_gpus=2, accum=2, precision="bf16", transfer_precision="bf16", optimizer="momentum"), 1e-3,
+                 marks=pytest.mark.bf16),
 ]
 
 
 @pytest.mark.parametrize("options, tolerance", EQUIVALENT,
                          ids=["clip-ema-k2", "adam-k1", "split", "batchnorm", "fp16", "bf16"])
 def test_spread_applies_the_updates_of_the_cpu_placement(options, tolerance):
-    if options.get("precision") == "bf16" and not bfloat16_convolutions():
-        pytest.skip("this CPU's oneDNN makes no bfloat16 convolution (ONEDNN_MAX_CPU_ISA below AVX512-BF16?)")
     options = {"batch_size": 8, "learning_rate": 0.05, **options}
     cpu, spread = make_run(ps_device="cpu", **options), make_run(ps_device="spread", **options)
     start = weights(spread.state.model)

@@ -182,7 +182,8 @@ def test_tower_weights_is_checked_once_in_the_config():
 
 
 @pytest.mark.parametrize("precision, transfer_precision, accum", [
-    ("bf16", "fp32", 1), ("bf16", "bf16", 4), ("fp32", "bf16", 4), ("fp16", "fp16", 1)])
+    pytest.param("bf16", "fp32", 1, marks=pytest.mark.bf16), pytest.param("bf16", "bf16", 4, marks=pytest.mark.bf16),
+    ("fp32", "bf16", 4), ("fp16", "fp16", 1)])
 def test_16_bit_transfers_halve_the_weight_and_gradient_bytes(precision, transfer_precision, accum):
     run = make_run(model="test_traffic_probe", num_gpus=TOWERS, accum=accum, batch_size=BATCH,
                    precision=precision, transfer_precision=transfer_precision)
