@@ -323,12 +323,18 @@ def test_a_second_signal_kills_workers_that_have_not_reached_an_update_boundary(
     assert not any(name.startswith("ckpt-") for name in os.listdir(tmp_path))  # no update was finished
 
 
+def two_workers_training(tmp_path, collective_timeout: int) -> tuple[subprocess.Popen, str]:
+    """A launcher of two workers training without end into `tmp_path`, once its output has
+    reached step 3: (the launcher, its output so far)."""
+    launcher = start_launcher("--workers=2", "--", "--num_gpus=1", "--batch_size=16",
+                              "--max_steps=100000", "--log_every=1", f"--collective_timeout={collective_timeout}",
+                              f"--train_dir={tmp_path}")
+    return launcher, read_until(launcher, "step 3,", timeout=240)
+
+
 @pytest.mark.cpu_only
 def test_a_killed_worker_ends_the_launcher_within_the_collective_timeout(tmp_path):
-    launcher = start_launcher("--workers=2", "--", "--num_gpus=1", "--batch_size=16",
-                              "--max_steps=100000", "--log_every=1", "--collective_timeout=10",
-                              f"--train_dir={tmp_path}")
-    seen = read_until(launcher, "step 3,", timeout=240)
+    launcher, seen = two_workers_training(tmp_path, collective_timeout=10)
     os.kill(worker_pid(seen, 1), signal.SIGKILL)
     killed = time.monotonic()
     output = seen + finish(launcher, timeout=120)
@@ -375,10 +381,7 @@ def test_a_worker_leaving_early_with_status_0_is_named_not_the_peer_it_left(tmp_
 
 @pytest.mark.cpu_only
 def test_a_suspended_worker_is_named_as_the_cause_and_its_watchdog_blames_no_peer(tmp_path):
-    launcher = start_launcher("--workers=2", "--", "--num_gpus=1", "--batch_size=16",
-                              "--max_steps=100000", "--log_every=1", "--collective_timeout=10",
-                              f"--train_dir={tmp_path}")
-    seen = read_until(launcher, "step 3,", timeout=240)
+    launcher, seen = two_workers_training(tmp_path, collective_timeout=10)
     suspended = worker_pid(seen, 1)
     os.kill(suspended, signal.SIGSTOP)
     try:
@@ -396,10 +399,7 @@ def test_a_suspended_worker_is_named_as_the_cause_and_its_watchdog_blames_no_pee
 
 @pytest.mark.cpu_only
 def test_a_stop_signal_to_one_worker_is_a_stop_of_all_not_a_failure(tmp_path):
-    launcher = start_launcher("--workers=2", "--", "--num_gpus=1", "--batch_size=16",
-                              "--max_steps=100000", "--log_every=1", "--collective_timeout=60",
-                              f"--train_dir={tmp_path}")
-    seen = read_until(launcher, "step 3,", timeout=240)
+    launcher, seen = two_workers_training(tmp_path, collective_timeout=60)
     os.kill(worker_pid(seen, 1), signal.SIGTERM)
     output = seen + finish(launcher, timeout=120)
     assert launcher.returncode == 128 + signal.SIGTERM, output
