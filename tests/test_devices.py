@@ -1,4 +1,6 @@
 """The device decision, for GPU machines too, checked through device strings."""
+import dataclasses
+
 import pytest
 
 from tower_train.devices import DevicePlan, canonical_device, plan_devices
@@ -66,7 +68,18 @@ def test_no_gpu_gpu_parameter_device_is_the_first_tower():
 
 def test_zero_gpus_is_one_cpu_tower_without_split():
     plan = plan_devices(0, "gpu", num_physical_gpus=4)
-    assert plan == DevicePlan(("/cpu:0",), "/cpu:0", "none", 0, None, plan.message)
+    assert plan == DevicePlan(("/cpu:0",), "/cpu:0", "none", 0, None, "--num_gpus=0: one tower on /cpu:0",
+                              "parameter_device")
+    assert plan.message == "--num_gpus=0: one tower on /cpu:0; parameters on /cpu:0"
+
+
+def test_message_is_made_of_the_fields_so_a_mode_sets_where_the_variables_live():
+    plan = plan_devices(4, "spread", num_physical_gpus=0)
+    assert plan.message == ("no GPU found for --num_gpus=4: split the CPU into 5 logical devices, host /cpu:0, "
+                            "towers on /cpu:1../cpu:4; parameters spread over /cpu:1../cpu:4, counters on /cpu:0")
+    mirrored = dataclasses.replace(plan_devices(2, "cpu", num_physical_gpus=2), variables="mirrored")
+    assert mirrored.message == "2 GPU(s) found: 2 tower(s) on /gpu:0../gpu:1; variables mirrored on every tower"
+    assert dataclasses.replace(plan, setup="one replica", variables=None).message == "one replica"
 
 
 @pytest.mark.parametrize("num_gpus,physical", [(1, 0), (2, 0), (4, 1), (4, 4), (0, 0)])

@@ -20,6 +20,10 @@ MIN_LOGICAL_GPU_MB = 256  # below this a tower's cuDNN workspace and activations
 # No host has more than 16 GPUs; 4 x that emulates any real layout. A tower costs a copy of the
 # model's graph, so 100,000 CPU towers take minutes and gigabytes before the first update.
 MAX_CPU_TOWERS = 64
+# Where a plan's variables live, as `DevicePlan.message` says it: on its parameter device, in
+# slices over the towers (`--ps_device=spread`, whose counters are on the parameter device), or
+# mirrored on every tower (the mirrored modes).
+VARIABLE_LAYOUTS = ("parameter_device", "spread", "mirrored")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,7 +36,9 @@ class DevicePlan:
       split: which physical device is divided into logical ones: "none", "gpu" (GPU 0) or "cpu".
       num_logical: how many logical devices the split creates (0 when split is "none").
       gpu_memory_limit_mb: the memory limit of each logical GPU when split is "gpu", else None.
-      message: the one log line that says what was done.
+      setup: what was found and where the towers are, as the log line says it.
+      variables: where the variables live, one of `VARIABLE_LAYOUTS`, or None where the line
+        does not say (a multi_worker worker's one CPU replica).
     """
 
     tower_devices: tuple[str, ...]
@@ -40,7 +46,16 @@ class DevicePlan:
     split: str
     num_logical: int
     gpu_memory_limit_mb: int | None
-    message: str
+    setup: str
+    variables: str | None
+
+    @property
+    def message(self) -> str:
+        """The one log line that says what was done: the setup, then where the variables live."""
+        where = {"parameter_device": f"parameters on {self.param_device}",
+                 "spread": f"parameters spread over {device_span(self.tower_devices)}, counters on {self.param_device}",
+                 "mirrored": "variables mirrored on every tower", None: None}[self.variables]
+        return self.setup if where is None else f"{self.setup}; {where}"
 
 
 def plan_devices(
@@ -72,12 +87,12 @@ def plan_devices(
         `--gpu_memory_mb` was given, or the split does not fit in its memory.
     """
     if num_gpus == 0:
-        return DevicePlan((HOST_DEVICE,), HOST_DEVICE, "none", 0, None,
-                          "--num_gpus=0: one tower on /cpu:0; parameters on /cpu:0")
+        return DevicePlan((HOST_DEVICE,), HOST_DEVICE, "none", 0, None, "--num_gpus=0: one tower on /cpu:0",
+                          "parameter_device")
     if num_physical_gpus >= num_gpus:
         towers = tuple(f"/gpu:{i}" for i in range(num_gpus))
         split, num_logical, limit = "none", 0, None
-        message = f"{num_physical_gpus} GPU(s) found: {num_gpus} tower(s) on {device_span(towers)}"
+        setup = f"{num_physical_gpus} GPU(s) found: {num_gpus} tower(s) on {device_span(towers)}"
     elif num_physical_gpus >= 1:
         limit = gpu_memory_mb or (gpu0_memory_mb // num_gpus if gpu0_memory_mb else None)
         if limit is None:
@@ -88,7 +103,7 @@ def plan_devices(
         _check_gpu_split(num_gpus, limit, gpu0_memory_mb, gpu_memory_mb is not None)
         towers = tuple(f"/gpu:{i}" for i in range(num_gpus))
         split, num_logical = "gpu", num_gpus
-        message = (f"{num_physical_gpus} GPU(s) found for --num_gpus={num_gpus}: split GPU 0 into "
+        setup = (f"{num_physical_gpus} GPU(s) found for --num_gpus={num_gpus}: split GPU 0 into "
                    f"{num_gpus} logical GPUs of {limit} MB each, towers on {device_span(towers)}")
     else:
         if num_gpus > MAX_CPU_TOWERS:
@@ -97,12 +112,10 @@ def plan_devices(
                              f"use 1..{MAX_CPU_TOWERS}")
         towers = tuple(f"/cpu:{i + 1}" for i in range(num_gpus))
         split, num_logical, limit = "cpu", num_gpus + 1, None
-        message = (f"no GPU found for --num_gpus={num_gpus}: split the CPU into {num_gpus + 1} "
+        setup = (f"no GPU found for --num_gpus={num_gpus}: split the CPU into {num_gpus + 1} "
                    f"logical devices, host /cpu:0, towers on {device_span(towers)}")
-    param_device = parameter_device(ps_device, towers)
-    where = (f"parameters spread over {device_span(towers)}, counters on {param_device}" if ps_device == "spread"
-             else f"parameters on {param_device}")
-    return DevicePlan(towers, param_device, split, num_logical, limit, f"{message}; {where}")
+    return DevicePlan(towers, parameter_device(ps_device, towers), split, num_logical, limit, setup,
+                      "spread" if ps_device == "spread" else "parameter_device")
 
 
 def parameter_device(ps_device: str, tower_devices: tuple[str, ...]) -> str:

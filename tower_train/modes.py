@@ -32,8 +32,7 @@ def fit_plan_to_mode(mode: str, plan: DevicePlan) -> DevicePlan:
     worker's /cpu:0 when the worker has no GPU, so a CPU split is of no use to it; and the
     mirrored modes have no parameter device, so the plan's line does not name one."""
     if MODE_RULES[mode].mirrors_variables:
-        plan = dataclasses.replace(plan, message=plan.message.replace(
-            f"; parameters on {plan.param_device}", "; variables mirrored on every tower"))
+        plan = dataclasses.replace(plan, variables="mirrored")
     if not MODE_RULES[mode].workers or plan.split != "cpu":
         return plan
     if len(plan.tower_devices) > 1:
@@ -41,7 +40,7 @@ def fit_plan_to_mode(mode: str, plan: DevicePlan) -> DevicePlan:
                          "each worker runs one replica on its CPU; pass --num_gpus=1")
     return dataclasses.replace(
         plan_devices(0, "cpu", num_physical_gpus=0),
-        message="no GPU found for --mode=multi_worker: one replica on this worker's /cpu:0")
+        setup="no GPU found for --mode=multi_worker: one replica on this worker's /cpu:0", variables=None)
 
 
 def resolve_all_reduce(mode: str, choice: str, plan: DevicePlan) -> str:
