@@ -1,7 +1,8 @@
-"""--ps_device=spread (tower_train/spread.py, devices.slice_rows, tower_mode's reduction on the
-owners): where the slices go, that an update is the one --ps_device=cpu applies, that refused
+"""--ps_device=spread (tower_train/spread.py: slice_rows, SpreadState, SpreadLayout's reduction on
+the owners): where the slices go, that an update is the one --ps_device=cpu applies, that refused
 updates move nothing, that checkpoints are the same whatever the placement, and what crosses
 devices."""
+import collections
 import math
 
 import keras
@@ -10,8 +11,9 @@ import pytest
 import tensorflow as tf
 
 import tower_train
-from tower_train.devices import Slice, canonical_device, slice_rows
+from tower_train.devices import canonical_device
 from tower_train.inner_step import Decision
+from tower_train.spread import Slice, SpreadPlacement, SpreadState, slice_rows
 from tower_train.traffic import count_traffic
 from helpers import make_run, weights
 from test_train import checkpoint_values
@@ -46,10 +48,58 @@ def test_slices_cover_every_row_once_in_order_and_balance_the_bytes(variable_row
     assert sum(held_bytes(slices, variable_rows, owners)) == total
 
 
+RANDOM_ROWS = [(int(r), int(b)) for r, b in zip(np.random.default_rng(7).integers(0, 40, 20),
+                                                  np.random.default_rng(8).integers(0, 3, 20) * 4)]
+
+
+@pytest.mark.parametrize("variable_rows, owners", [
+    ([(10, 4), (100, 8), (1, 4)], 3),
+    ([(3, 4), (2, 4)], 8),
+    ([(3, 4), (5, 0), (0, 4)], 2),
+    (RANDOM_ROWS, 5),  # ties of size, rows of no bytes, variables of no rows
+])
+def test_each_row_goes_once_to_the_device_its_first_byte_falls_in(variable_rows, owners):
+    """An independent count, row by row: the variables laid end to end, largest first (ties in
+    their order), each row belongs to the device d whose share [d T / N, (d + 1) T / N) of the
+    line holds its first byte; a variable of no bytes wholly to device 0."""
+    total = sum(rows * size for rows, size in variable_rows)
+    want, offset = {}, 0
+    for j in sorted(range(len(variable_rows)), key=lambda j: -variable_rows[j][0] * variable_rows[j][1]):
+        rows, size = variable_rows[j]
+        for row in range(rows):
+            want[j, row] = (offset + row * size) * owners // total if rows * size else 0
+        offset += rows * size
+    given = collections.Counter((s.variable, row, s.owner) for s in slice_rows(variable_rows, owners)
+                                for row in range(s.start, s.stop))
+    assert set(given.values()) <= {1}  # no row twice
+    assert {(j, row): owner for j, row, owner in given} == want
+
+
+def test_spread_state_holds_each_slice_on_its_owner_and_gathers_them_back():
+    with tf.device("/cpu:0"):
+        variables = [keras.Variable(np.arange(24, dtype=np.float32).reshape(6, 4), name="kernel"),
+                     keras.Variable(np.arange(3, dtype=np.float32), name="bias")]
+        optimizer = keras.optimizers.Adam(0.1)
+        optimizer.build(variables)
+    state = SpreadState(variables, optimizer, None, SpreadPlacement("/cpu:0", ("/cpu:1", "/cpu:2")))
+    # 96 + 12 bytes, halves at byte 54: kernel rows 0-3 (64 bytes) on /cpu:1, the rest on /cpu:2.
+    assert state.slices == [Slice(0, 0, 4, 0), Slice(0, 4, 6, 1), Slice(1, 0, 3, 1)]
+    for piece, weight in zip(state.slices, state.weights, strict=True):
+        assert device_of(weight) == f"CPU:{piece.owner + 1}"
+        np.testing.assert_array_equal(weight.numpy(), variables[piece.variable].numpy()[piece.start:piece.stop])
+    assert len(state.held_variables()) == 2 * 3  # Adam's two slots of each slice
+    assert all(device_of(v) in ("CPU:1", "CPU:2") for v in state.held_variables())
+    for weight in state.weights:
+        weight.assign(weight + 100.0)
+    state.gather()
+    np.testing.assert_array_equal(variables[0].numpy(), np.arange(24).reshape(6, 4) + 100.0)
+    np.testing.assert_array_equal(variables[1].numpy(), np.arange(3) + 100.0)
+
+
 def test_cifar10_cnns_local3_kernel_is_cut_over_every_device():
     run = make_run(num_gpus=4, ps_device="spread")
     variables = run.state.model.trainable_variables
-    slices = run.inner._spread.slices
+    slices = run.inner.layout.state.slices
     local3 = max(range(len(variables)), key=lambda j: variables[j].shape.num_elements())
     assert variables[local3].shape.num_elements() / sum(v.shape.num_elements() for v in variables) > 0.8
     assert sorted(s.owner for s in slices if s.variable == local3) == [0, 1, 2, 3]
@@ -67,7 +117,7 @@ def device_of(variable) -> str:
 
 def test_slices_slots_and_averages_live_on_their_owners_and_the_checkpointed_state_on_the_host():
     run = make_run(num_gpus=3, accum=2, batch_size=4, ps_device="spread", optimizer="momentum", ema_decay=0.9)
-    spread, state = run.inner._spread, run.state
+    spread, state = run.inner.layout.state, run.state
     towers = [canonical_device(d) for d in run.mode.plan.tower_devices]
     for k, piece in enumerate(spread.slices):
         assert device_of(spread.weights[k]) == towers[piece.owner]
@@ -169,7 +219,7 @@ def test_a_refused_update_moves_no_slice_slot_or_average(poison, decision):
     run = make_run(num_gpus=2, accum=2, batch_size=4, ps_device="spread", optimizer="momentum", ema_decay=0.9)
     batches = run.batches()
     run.inner.run_update(batches)  # slots and averages away from their start
-    spread = run.inner._spread
+    spread = run.inner.layout.state
     before = [v.numpy() for v in spread.weights + spread.held_variables()]
 
     def poisoned(batch):
@@ -196,7 +246,8 @@ def test_the_checkpointed_state_is_written_back_only_when_asked_and_kept_finite(
     run.inner.sync_state()
     assert max(np.abs(a - b).max() for a, b in zip(weights(run.state.model), start)) > 1e-4
     assert run.inner.held_finite()
-    run.inner._spread.held_variables()[0].assign(tf.fill(run.inner._spread.held_variables()[0].shape, math.inf))
+    held = run.inner.layout.state.held_variables()[0]
+    held.assign(tf.fill(held.shape, math.inf))
     assert not run.inner.held_finite()
 
 
@@ -333,7 +384,7 @@ def test_each_tower_receives_the_weights_and_sends_the_gradients_it_does_not_own
     traffic = count_traffic(run.inner.traced_update(batch_spec(towers * batch)), run.inner.variable_roles(),
                             run.mode.plan.param_device)
     p = size_in_bytes(run.state.model.trainable_variables)
-    spread = run.inner._spread
+    spread = run.inner.layout.state
     owned = [sum(size_in_bytes([spread.weights[k]]) for k in spread.owned[d]) for d in range(towers)]
     assert sum(owned) == p
     assert traffic.copied["weights"] == sum(p - own for own in owned) == (towers - 1) * p

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tower_train.devices import OneDevice, canonical_device
+from tower_train.devices import canonical_device
 from tower_train.inner_step import Decision
-from tower_train.tower_mode import TowerStep
+from tower_train.tower_mode import OneDevice, TowerStep
 from tower_train.update_rule import LossScale, UpdateRule
 from helpers import DECAY, FEATURES, LR, TinyNet, micro_batches, plain_sgd_step, values
 
@@ -59,7 +59,8 @@ def accumulators(step: TowerStep) -> list[np.ndarray]:
 def test_one_update_of_two_micro_steps_is_one_plain_sgd_step_on_the_concatenated_batch(
         shard_sizes, tower_weights):
     rule = make_rule()
-    step = TowerStep(rule, TOWERS, OneDevice(PARAM_DEVICE), 2, shard_sizes, tower_weights=tower_weights)
+    step = TowerStep(rule=rule, tower_devices=TOWERS, placement=OneDevice(PARAM_DEVICE),
+                     accum=2, shard_sizes=shard_sizes, tower_weights=tower_weights)
     assert step.copies_weights == (tower_weights == "per_update")
     batches = micro_batches(shard_sizes, 2)
     expected_loss, expected = plain_sgd_step(rule.model, batches)
@@ -77,7 +78,8 @@ def test_one_update_of_two_micro_steps_is_one_plain_sgd_step_on_the_concatenated
 def test_accumulate_adds_each_towers_sums_on_its_device_and_update_clears_them():
     shard_sizes = (3, 2)
     rule = make_rule()
-    step = TowerStep(rule, TOWERS, OneDevice(PARAM_DEVICE), 2, shard_sizes)
+    step = TowerStep(rule=rule, tower_devices=TOWERS, placement=OneDevice(PARAM_DEVICE),
+                     accum=2, shard_sizes=shard_sizes)
     first, last = micro_batches(shard_sizes, 2, seed=1)
     roles = step.variable_roles()
     num_variables = len(rule.model.trainable_variables)
@@ -105,7 +107,8 @@ def test_an_update_of_total_weight_0_moves_no_weight_slot_counter_or_statistic()
     shard_sizes = (2, 2)
     rule = make_rule(optimizer=keras.optimizers.SGD(LR, momentum=0.9), normalized=True,
                      loss_scale=True)
-    step = TowerStep(rule, TOWERS, OneDevice(PARAM_DEVICE), 2, shard_sizes)
+    step = TowerStep(rule=rule, tower_devices=TOWERS, placement=OneDevice(PARAM_DEVICE),
+                     accum=2, shard_sizes=shard_sizes)
     assert step.run_update(iter(micro_batches(shard_sizes, 2, seed=2))).applied
     everything = lambda: values([*rule.model.variables, *rule.optimizer.variables, rule.step,
                                  rule.loss_scale.value, rule.loss_scale.good_updates])
@@ -131,7 +134,8 @@ def test_an_update_of_total_weight_0_moves_no_weight_slot_counter_or_statistic()
 def test_a_non_finite_update_is_refused_and_halves_the_loss_scale():
     shard_sizes = (2, 2)
     rule = make_rule(loss_scale=True)
-    step = TowerStep(rule, TOWERS, OneDevice(PARAM_DEVICE), 2, shard_sizes)
+    step = TowerStep(rule=rule, tower_devices=TOWERS, placement=OneDevice(PARAM_DEVICE),
+                     accum=2, shard_sizes=shard_sizes)
     batches = micro_batches(shard_sizes, 2, seed=5)
     batches[0][0][3, 1] = np.nan  # one feature of tower 1's first shard
     batches[0][2][3] = 1.0
@@ -151,7 +155,8 @@ def test_an_update_whose_loss_is_not_finite_only_through_the_regularization_is_r
     # Every sum and gradient stays finite (tanh saturates; the decay's gradient is 1e18), but the
     # L2 term of a 1e20 weight is inf, and so is the update's loss.
     rule = make_rule()
-    step = TowerStep(rule, TOWERS, OneDevice(PARAM_DEVICE), 2, (2, 2))
+    step = TowerStep(rule=rule, tower_devices=TOWERS, placement=OneDevice(PARAM_DEVICE),
+                     accum=2, shard_sizes=(2, 2))
     kernel = rule.model.hidden.kernel
     kernel.assign(tf.tensor_scatter_nd_update(tf.convert_to_tensor(kernel), [[0, 0]], [1e20]))
     before = values([*rule.model.variables, *rule.optimizer.variables, rule.step])
@@ -179,8 +184,8 @@ def function_name(concrete) -> str:
 def test_traced_update_lists_each_function_of_an_update_with_its_calls(accum, tower_weights, expected):
     rule = make_rule()
     # Tower 0 shares the parameter device, so only tower 1 ever keeps a copy of the weights.
-    step = TowerStep(rule, (PARAM_DEVICE, TOWERS[0]), OneDevice(PARAM_DEVICE), accum, (2, 2),
-                     tower_weights=tower_weights)
+    step = TowerStep(rule=rule, tower_devices=(PARAM_DEVICE, TOWERS[0]), placement=OneDevice(PARAM_DEVICE),
+                     accum=accum, shard_sizes=(2, 2), tower_weights=tower_weights)
     spec = (tf.TensorSpec([4, FEATURES], tf.float32), tf.TensorSpec([4], tf.int32),
             tf.TensorSpec([4], tf.float32))
     runs = step.traced_update(spec)
@@ -197,8 +202,8 @@ def test_bf16_transfer_rounds_each_remote_towers_gradient_sum_once_and_nothing_e
     rounded to bfloat16, not from the float32 sums."""
     shard_sizes = (3, 2)
     rule = make_rule()
-    step = TowerStep(rule, (PARAM_DEVICE, TOWERS[0]), OneDevice(PARAM_DEVICE), 2, shard_sizes,
-                     transfer_dtype="bfloat16")
+    step = TowerStep(rule=rule, tower_devices=(PARAM_DEVICE, TOWERS[0]), placement=OneDevice(PARAM_DEVICE),
+                     accum=2, shard_sizes=shard_sizes, transfer_dtype="bfloat16")
     batches = micro_batches(shard_sizes, 2, seed=6)
     per_batch = [shard_sums(rule.model, batch, shard_sizes) for batch in batches]
     sums = [[sum(grads) for grads in zip(*(shards[i][2] for shards in per_batch))]

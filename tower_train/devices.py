@@ -8,7 +8,6 @@ creates the logical devices the plan needs.
 from __future__ import annotations
 
 import dataclasses
-import math
 import shutil
 import subprocess
 from typing import ContextManager, Protocol, Sequence
@@ -70,7 +69,7 @@ def plan_devices(
     Args:
       num_gpus: the number of towers; 0 means one tower on the CPU.
       ps_device: "cpu" (the host CPU, as in the original), "gpu" (GPU 0, or
-        the first tower device when there is no GPU) or "spread" (`SpreadPlacement`).
+        the first tower device when there is no GPU) or "spread" (`spread.SpreadPlacement`).
       num_physical_gpus: how many physical GPUs the machine has.
       gpu0_memory_mb: GPU 0's total memory, when known; used to split it.
       gpu_memory_mb: the `--gpu_memory_mb` override for each logical GPU.
@@ -122,7 +121,7 @@ def parameter_device(ps_device: str, tower_devices: tuple[str, ...]) -> str:
     """Where `--ps_device` puts the variables: "cpu" the host; "gpu" the first tower's device,
     which is GPU 0 whenever the machine has a GPU (towers are /gpu:0.. then, split or not);
     "spread" the host too, for what is not spread (the counters, BN statistics and the
-    checkpoint's copy of the state: `SpreadPlacement`)."""
+    checkpoint's copy of the state: `spread.SpreadPlacement`)."""
     return tower_devices[0] if ps_device == "gpu" else HOST_DEVICE
 
 
@@ -211,7 +210,8 @@ def canonical_device(device: str) -> str:
 
 class Placement(Protocol):
     """Where a run's variables live: the scope they are created in, and the device that holds
-    each one (and runs its reduction and update)."""
+    each one (and runs its reduction and update). Tower mode's placements (`tower_mode.OneDevice`,
+    `spread.SpreadPlacement`) also build the layout its step runs (`tower_mode.TowerPlacement`)."""
 
     def scope(self) -> ContextManager:
         """Variables created inside are placed by this placement."""
@@ -221,24 +221,6 @@ class Placement(Protocol):
 
     def describe(self, trainable_variables: Sequence) -> str:
         """Where the variables are, as the layout line says it."""
-
-
-@dataclasses.dataclass(frozen=True)
-class OneDevice:
-    """Every variable on one device: tower mode's parameter device."""
-
-    device: str
-
-    def scope(self) -> ContextManager:
-        import tensorflow as tf
-
-        return tf.device(self.device)
-
-    def device_of(self, variable) -> str:
-        return self.device
-
-    def describe(self, trainable_variables: Sequence) -> str:
-        return self.device
 
 
 @dataclasses.dataclass(frozen=True)
@@ -257,87 +239,3 @@ class StrategyPlacement:
 
     def describe(self, trainable_variables: Sequence) -> str:
         return self.parameter_device or "every replica (mirrored)"
-
-
-@dataclasses.dataclass(frozen=True)
-class Slice:
-    """Rows [start, stop) of trainable variable `variable`'s first axis (a scalar is one row),
-    held and updated by tower device `owner`."""
-
-    variable: int
-    start: int
-    stop: int
-    owner: int
-
-
-def slice_rows(variable_rows: Sequence[tuple[int, int]], owners: int) -> list[Slice]:
-    """Cuts variables into `owners` byte-balanced shares, along their first axis.
-
-    Args:
-      variable_rows: per variable, (its rows, the bytes of one row).
-      owners: the number of devices, N >= 1.
-
-    Returns:
-      The slices, ordered by variable and then by row. The variables, largest first (ties in
-      their order), are laid end to end, and device d takes the rows that start in bytes
-      [d T / N, (d + 1) T / N) of that line, T being the total: TF1's greedy placement, largest
-      first, with a variable too large for one device cut into partitions, as its partitioned
-      variables were. A device holds at most T / N plus one row.
-    """
-    sizes = [rows * row_bytes for rows, row_bytes in variable_rows]
-    total = sum(sizes)
-    slices, offset = [], 0
-    for j in sorted(range(len(sizes)), key=lambda j: -sizes[j]):
-        rows, row_bytes = variable_rows[j]
-        if sizes[j] == 0:  # no bytes to balance: one slice, on the first device
-            slices.append(Slice(j, 0, rows, 0))
-            continue
-        # The first row of device d's share: the first whose start byte reaches d T / N.
-        cuts = [0, *(min(rows, max(0, -(-(d * total - offset * owners) // (row_bytes * owners))))
-                     for d in range(1, owners)), rows]
-        slices += [Slice(j, cuts[d], cuts[d + 1], d) for d in range(owners) if cuts[d] < cuts[d + 1]]
-        offset += sizes[j]
-    return sorted(slices, key=lambda s: (s.variable, s.start))
-
-
-def variable_rows(variables: Sequence) -> list[tuple[int, int]]:
-    """(rows, bytes per row) of each variable, as `slice_rows` takes them."""
-    return [(v.shape[0] if len(v.shape) else 1,
-             math.prod(v.shape[1:]) * _dtype_size(v.dtype)) for v in variables]
-
-
-def _dtype_size(dtype) -> int:
-    import tensorflow as tf
-
-    return tf.as_dtype(dtype).size
-
-
-@dataclasses.dataclass(frozen=True)
-class SpreadPlacement:
-    """--ps_device=spread: the trainable weights, with their optimizer slots and averages, in
-    byte-balanced slices on the tower devices (`slice_rows`; tower mode keeps them, see
-    `tower_train.spread`). What a checkpoint holds is created on `host`, which also keeps the
-    counters and BN statistics."""
-
-    host: str
-    tower_devices: tuple[str, ...]
-
-    def scope(self) -> ContextManager:
-        import tensorflow as tf
-
-        return tf.device(self.host)
-
-    def device_of(self, variable) -> str:
-        return self.host
-
-    def slices(self, trainable_variables: Sequence) -> list[Slice]:
-        return slice_rows(variable_rows(trainable_variables), len(self.tower_devices))
-
-    def describe(self, trainable_variables: Sequence) -> str:
-        held = [0] * len(self.tower_devices)
-        rows = variable_rows(trainable_variables)
-        for s in self.slices(trainable_variables):
-            held[s.owner] += (s.stop - s.start) * rows[s.variable][1]
-        shares = ", ".join(f"{device} {size / 1e6:.2f} MB" for device, size in zip(self.tower_devices, held,
-                                                                                    strict=True))
-        return f"{shares} of weights in slices (their slots and averages beside them), counters on {self.host}"

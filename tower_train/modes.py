@@ -19,8 +19,7 @@ from typing import TYPE_CHECKING, ClassVar, ContextManager
 
 from tower_train.cluster import SINGLE_PROCESS, WorkerInfo, server_start, strategy_resolver
 from tower_train.config import DTYPES, MODE_RULES, ModeRules, TrainConfig
-from tower_train.devices import (HOST_DEVICE, DevicePlan, OneDevice, Placement, SpreadPlacement, StrategyPlacement,
-                                 device_span, plan_devices)
+from tower_train.devices import HOST_DEVICE, DevicePlan, Placement, StrategyPlacement, device_span, plan_devices
 from tower_train.errors import UsageError
 
 if TYPE_CHECKING:
@@ -136,7 +135,11 @@ class TowerMode(Mode):
 
     def _placement(self) -> Placement:
         if self.config.ps_device == "spread":
+            from tower_train.spread import SpreadPlacement
+
             return SpreadPlacement(self.plan.param_device, self.plan.tower_devices)
+        from tower_train.tower_mode import OneDevice
+
         return OneDevice(self.plan.param_device)
 
     def inner_step(self, state) -> InnerStep:
@@ -145,9 +148,10 @@ class TowerMode(Mode):
         from tower_train.tower_mode import TowerStep
 
         config = self.config
-        return TowerStep(state.update_rule(config.clip_norm), self.plan.tower_devices, self.placement,
-                         config.accum, config.tower_shard_sizes, config.jit_compile, config.tower_weights,
-                         DTYPES[config.transfer_precision])
+        return TowerStep(rule=state.update_rule(config.clip_norm), tower_devices=self.plan.tower_devices,
+                         placement=self.placement, accum=config.accum, shard_sizes=config.tower_shard_sizes,
+                         jit_compile=config.jit_compile, tower_weights=config.tower_weights,
+                         transfer_dtype=DTYPES[config.transfer_precision])
 
 
 class _StrategyMode(Mode):

@@ -1,13 +1,13 @@
 """--ps_device=spread: the training state tower mode keeps in slices on the tower devices.
 
-`devices.slice_rows` cuts the trainable variables along their first axis into byte-balanced
+`slice_rows` cuts the trainable variables along their first axis into byte-balanced
 shares, one per tower device. `SpreadState` holds, on each slice's device, the slice of the
 weights, the optimizer's slots for it and its moving average, and updates them there
 (`apply`): the optimizer's update is elementwise, so a slice updated alone changes as its rows
 of the whole variable would, to float rounding. The slots belong to a second optimizer of the same class
 and settings, built over the slices (Keras creates each slot beside its variable).
-`tower_mode.TowerStep` sends each tower the slices it needs and each owner its rows of the
-gradient sums.
+`SpreadLayout`, the `tower_mode.TowerLayout` of `SpreadPlacement`, sends each tower the slices
+it needs and each owner its rows of the gradient sums.
 
 The TrainState on the host stays what a checkpoint holds, so checkpoints are the same whatever
 --ps_device wrote them, and a run may resume under another placement: `scatter` fills the slices
@@ -17,17 +17,104 @@ something reads it (a save, an evaluation, a Keras callback, the end of training
 from __future__ import annotations
 
 import collections
-from typing import Sequence
+import dataclasses
+import math
+from typing import Callable, ContextManager, Mapping, Sequence
 
 import keras
 import tensorflow as tf
 
-from tower_train.devices import Slice, SpreadPlacement
+from tower_train.devices import canonical_device
 from tower_train.errors import UsageError
+from tower_train.inner_step import Decision
 from tower_train.schedules import MovingAverage
+from tower_train.tower_mode import TowerLayout, TowerSetup, TowerSums, weight_copies
+from tower_train.towers import combine_gradients, read_in_compute_dtype, regularization_gradients
 from tower_train.update_rule import tensors_finite
 
 _SLICE_NAME = "spread_slice_{}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Slice:
+    """Rows [start, stop) of trainable variable `variable`'s first axis (a scalar is one row),
+    held and updated by tower device `owner`."""
+
+    variable: int
+    start: int
+    stop: int
+    owner: int
+
+
+def slice_rows(variable_rows: Sequence[tuple[int, int]], owners: int) -> list[Slice]:
+    """Cuts variables into `owners` byte-balanced shares, along their first axis.
+
+    Args:
+      variable_rows: per variable, (its rows, the bytes of one row).
+      owners: the number of devices, N >= 1.
+
+    Returns:
+      The slices, ordered by variable and then by row. The variables, largest first (ties in
+      their order), are laid end to end, and device d takes the rows that start in bytes
+      [d T / N, (d + 1) T / N) of that line, T being the total: TF1's greedy placement, largest
+      first, with a variable too large for one device cut into partitions, as its partitioned
+      variables were. A device holds at most T / N plus one row.
+    """
+    sizes = [rows * row_bytes for rows, row_bytes in variable_rows]
+    total = sum(sizes)
+    slices, offset = [], 0
+    for j in sorted(range(len(sizes)), key=lambda j: -sizes[j]):
+        rows, row_bytes = variable_rows[j]
+        if sizes[j] == 0:  # no bytes to balance: one slice, on the first device
+            slices.append(Slice(j, 0, rows, 0))
+            continue
+        # The first row of device d's share: the first whose start byte reaches d T / N.
+        cuts = [0, *(min(rows, max(0, -(-(d * total - offset * owners) // (row_bytes * owners))))
+                     for d in range(1, owners)), rows]
+        slices += [Slice(j, cuts[d], cuts[d + 1], d) for d in range(owners) if cuts[d] < cuts[d + 1]]
+        offset += sizes[j]
+    return sorted(slices, key=lambda s: (s.variable, s.start))
+
+
+def variable_rows(variables: Sequence) -> list[tuple[int, int]]:
+    """(rows, bytes per row) of each variable, as `slice_rows` takes them."""
+    return [(v.shape[0] if len(v.shape) else 1,
+             math.prod(v.shape[1:]) * _dtype_size(v.dtype)) for v in variables]
+
+
+def _dtype_size(dtype) -> int:
+    return tf.as_dtype(dtype).size
+
+
+@dataclasses.dataclass(frozen=True)
+class SpreadPlacement:
+    """--ps_device=spread: the trainable weights, with their optimizer slots and averages, in
+    byte-balanced slices on the tower devices (`slice_rows`; `SpreadLayout` keeps them). What a
+    checkpoint holds is created on `host`, which also keeps the counters and BN statistics."""
+
+    host: str
+    tower_devices: tuple[str, ...]
+
+    def scope(self) -> ContextManager:
+        return tf.device(self.host)
+
+    def device_of(self, variable) -> str:
+        return self.host
+
+    def slices(self, trainable_variables: Sequence) -> list[Slice]:
+        return slice_rows(variable_rows(trainable_variables), len(self.tower_devices))
+
+    def describe(self, trainable_variables: Sequence) -> str:
+        held = [0] * len(self.tower_devices)
+        rows = variable_rows(trainable_variables)
+        for s in self.slices(trainable_variables):
+            held[s.owner] += (s.stop - s.start) * rows[s.variable][1]
+        shares = ", ".join(f"{device} {size / 1e6:.2f} MB" for device, size in zip(self.tower_devices, held,
+                                                                                    strict=True))
+        return f"{shares} of weights in slices (their slots and averages beside them), counters on {self.host}"
+
+    def tower_layout(self, setup: TowerSetup) -> TowerLayout:
+        return SpreadLayout(setup=setup, placement=self)
 
 
 def rows_of(value: tf.Tensor, piece: Slice, rows: int) -> tf.Tensor:
@@ -186,3 +273,138 @@ class SpreadState:
                 verdicts.append(tensors_finite(parts))
         with tf.device(self._host):
             return tf.reduce_all(tf.stack(verdicts)) if verdicts else tf.constant(True)
+
+
+class SpreadLayout:
+    """`SpreadPlacement`'s tower layout: every tower keeps a copy of the weights, joined once per
+    update (at every K) from the slices; each slice's owner gets its rows of every tower's
+    gradient sums, combines and applies them, and the host decides from one flag (and one partial
+    squared norm, for clipping) per owner. A tower receives and sends only the rows it does not
+    own, each in the dtype `tower_mode` gives (`--precision`, `--transfer_precision`)."""
+
+    def __init__(self, *, setup: TowerSetup, placement: SpreadPlacement):
+        rule = setup.rule
+        self.host = placement.host
+        self._setup = setup
+        self._narrow_weights = read_in_compute_dtype(rule.model)
+        # The slices of the weights, slots and averages, on the towers' devices, from the TrainState.
+        self.state = SpreadState(rule.model.trainable_variables, rule.optimizer, rule.moving_average, placement)
+        # Every tower: the TrainState's weights are not current.
+        self.copies = [weight_copies(rule.model, device, i, self._narrow_weights)
+                       for i, device in enumerate(setup.tower_devices)]
+        self._synced = True  # whether the TrainState's variables hold the slices' values
+        self._written = False  # whether they were written since, so that the slices must take them
+
+    def tower_weights(self) -> list:
+        return list(self.copies)
+
+    def refresh_weights(self) -> None:
+        """Each tower joins its copy of a weight from the weight's slices, which their owners send
+        (cast to the compute dtype where it is read in it); a tower receives only the slices it
+        does not own."""
+        sent = self._sent_slices()
+        for device, copies in zip(self._setup.tower_devices, self.copies, strict=True):
+            with tf.device(device):
+                for j, copy in enumerate(copies):
+                    copy.assign(joined([sent[k] for k in self.state.slices_of[j]]))
+
+    def _sent_slices(self) -> list[tf.Tensor]:
+        """Each slice as it travels to the towers, read (and cast to the compute dtype where its
+        weight is read in it) on its owner."""
+        model, spread = self._setup.rule.model, self.state
+        sent = []
+        for k, piece in enumerate(spread.slices):
+            with tf.device(spread.devices[piece.owner]):
+                value = spread.weights[k].value.read_value()
+                sent.append(tf.cast(value, model.compute_dtype) if self._narrow_weights[piece.variable] else value)
+        return sent
+
+    def reduce(self, sums: TowerSums) -> tuple[tf.Tensor, tf.Tensor, Callable[[], object]]:
+        """Each tower sends each slice's owner its rows of the gradient sums; each owner combines
+        its slices' gradients, adds the regularization's and sends the host one finite flag and
+        one squared norm; the host decides, and each owner applies its slices (clipped by the
+        global norm); the host then counts the update."""
+        setup, rule, spread = self._setup, self._setup.rule, self.state
+        counts, safe_weight = sums.counts, sums.safe_weight
+        variables = rule.model.trainable_variables
+        pieces = []  # per tower, per slice: its rows of the tower's gradient sums
+        for device, grads in zip(setup.tower_devices, sums.gradients, strict=True):
+            with tf.device(device):
+                row = [spread.rows(grads[piece.variable], k) for k, piece in enumerate(spread.slices)]
+                if setup.transfer_dtype != tf.float32:
+                    row = [part if canonical_device(spread.devices[piece.owner]) == canonical_device(device)
+                           else tf.cast(part, setup.transfer_dtype) for part, piece in zip(row, spread.slices)]
+            pieces.append(row)
+        with tf.device(self.host):
+            rate = rule.optimizer.learning_rate  # at this update, before the count moves
+            update_number = rule.step.read_value() + 1
+        owner_grads, halves, finite = {}, [], []
+        regularization = None
+        for d, device in enumerate(setup.tower_devices):
+            if not spread.owned[d] and d > 0:
+                continue
+            with tf.device(device):
+                # Tower d's copy of the weights, exact: its own rows from its slices.
+                regularization_d, regularization_grads = regularization_gradients(rule.model, self._exact_weights(d))
+                regularization = regularization_d if regularization is None else regularization
+                grads = []
+                for k in spread.owned[d]:
+                    j = spread.slices[k].variable
+                    grad = combine_gradients([[tf.cast(row[k], variables[j].dtype)] for row in pieces], counts,
+                                             safe_weight)[0]
+                    if rule.loss_scale is not None:
+                        grad = rule.loss_scale.unscale([grad])[0]
+                    grads.append(grad + spread.rows(regularization_grads[j], k))
+                if grads:
+                    owner_grads[d] = grads
+                    if rule.clip_norm is not None:
+                        halves.append(rule.half_squared_norm(grads))
+                    finite.append(tensors_finite(grads))
+        with tf.device(self.host):
+            mean_loss = sums.mean_loss(regularization)
+            decision = rule.decide(sums.total_weight, tf.reduce_all(tf.stack([tf.math.is_finite(mean_loss), *finite])),
+                                   mean_loss)
+            applied = tf.equal(decision, int(Decision.APPLIED))
+            norm = None if rule.clip_norm is None else rule.global_norm(halves)
+        for d, grads in owner_grads.items():
+            with tf.device(setup.tower_devices[d]):
+                tf.cond(applied, lambda d=d, grads=grads: spread.apply(d, rule.clip(grads, norm), rate, update_number),
+                        lambda: None)
+        return mean_loss, decision, lambda: (rule.count_update(), spread.count_update())
+
+    def _exact_weights(self, device: int) -> list[tf.Tensor]:
+        """The trainable weights at tower `device`, from its copy, except where the copy
+        is in the compute dtype: there its own slices' rows are taken exact, the others are the
+        copy's (so the regularization's gradient is exact on its rows for a per-weight penalty)."""
+        spread, copies = self.state, self.copies[device]
+        weights = []
+        for j, (copy, variable) in enumerate(zip(copies, self._setup.rule.model.trainable_variables, strict=True)):
+            value = tf.cast(copy, variable.dtype)
+            if self._narrow_weights[j]:
+                value = joined([spread.weights[k].value if spread.slices[k].owner == device else spread.rows(value, k)
+                                for k in spread.slices_of[j]])
+            weights.append(value)
+        return weights
+
+    def before_update(self) -> None:
+        if self._written:
+            self.state.scatter()
+            self._written = False
+
+    def after_update(self, applied: bool) -> None:
+        self._synced = self._synced and not applied
+
+    def sync_state(self) -> None:
+        if not self._synced:
+            self.state.gather()
+            self._synced = True
+
+    def state_written(self) -> None:
+        self._written = True
+
+    def held_finite(self) -> bool:
+        return self.state.finite()
+
+    def variable_roles(self) -> Mapping[str, list]:
+        return {"weights": [c for tower in self.copies for c in tower] + self.state.weights,
+                "held": self.state.held_variables()}

@@ -39,13 +39,11 @@ What crosses devices can be narrower than float32:
 
 A tower on the parameter device casts nothing: nothing of it crosses devices.
 
-With `--ps_device=spread` (a `SpreadPlacement`) the trainable weights, their slots and averages
-live in slices on the tower devices (`spread.SpreadState`) instead, and the host keeps the
-counters, the BN statistics and the checkpoint's copy. Every tower keeps a copy of the weights,
-joined once per update from the slices (`refresh_weights`, at every K); `update` sends each
-slice's owner its rows of every tower's gradient sums, the owners combine and apply them, and
-the host decides from one flag (and one partial squared norm, for clipping) per owner. A tower
-receives and sends only the rows it does not own, each in the dtype the rule above gives.
+Where the weights come from and where the sums go is the placement's `TowerLayout`: with
+`OneDevice` (`--ps_device=cpu|gpu`) the `ParameterDeviceLayout` above; with
+`--ps_device=spread` the `spread.SpreadLayout`, which keeps the weights in slices on the tower
+devices and reduces on their owners. `TowerStep` runs the towers, their sums, seeds and the
+settling of the decision, the same for every layout.
 
 A model that adds losses of the batch through Keras (`add_loss`, activity
 regularizers) has a second gradient sum per tower, that of those losses,
@@ -66,13 +64,13 @@ device.
 """
 from __future__ import annotations
 
-from typing import Callable, Iterator, Mapping, Sequence
+import dataclasses
+from typing import Callable, ContextManager, Iterator, Mapping, Protocol, Sequence
 
 import tensorflow as tf
 
-from tower_train.devices import OneDevice, SpreadPlacement, canonical_device
+from tower_train.devices import Placement, canonical_device
 from tower_train.inner_step import Batch, BatchSpec, Decision, UpdateResult
-from tower_train.spread import SpreadState, joined
 from tower_train.towers import (TowerResult, combine_gradients, compiled_tower_function, labels_per_shard,
                                 pass_seeds, read_in_compute_dtype, regularization_gradients, run_on_towers,
                                 seed_generator_states, split_batch, tower_function)
@@ -80,38 +78,216 @@ from tower_train.update_rule import TrainingStatistics, UpdateRule, tensors_fini
 from tower_train.update_sums import UpdateSums
 
 
+@dataclasses.dataclass(frozen=True)
+class TowerSetup:
+    """What a `TowerLayout` is built for: the rule, the towers and the options of the step."""
+
+    rule: UpdateRule
+    tower_devices: tuple[str, ...]
+    accum: int
+    tower_weights: str  # `TrainConfig.tower_weights`
+    jit_compile: bool
+    transfer_dtype: tf.DType  # the dtype the towers' gradient sums cross devices in
+
+
+@dataclasses.dataclass(frozen=True)
+class TowerSums:
+    """An update's sums as the towers leave them: what a layout reduces."""
+
+    gradients: list[list[tf.Tensor]]  # per tower, on its device: its gradient sums, one per weight
+    counts: Sequence[float]  # per tower: its labels, c_i
+    total_weight: tf.Tensor  # W, on the layout's host
+    safe_weight: tf.Tensor  # W, or 1 where W = 0 (then the update is refused)
+    mean_loss: Callable[[tf.Tensor], tf.Tensor]  # the update's mean loss with this regularization, here
+
+
+class TowerLayout(Protocol):
+    """Where tower mode's weights come from and where its sums go, built by the placement.
+
+    Attributes:
+      host: the device of the counters and BN statistics, which decides the update.
+      copies: per tower, its copy of the trainable weights, or None to be sent them each pass.
+    """
+
+    host: str
+    copies: list[list[tf.Variable] | None]
+
+    def tower_weights(self) -> list:
+        """Per tower, what its pass reads: its copy, the weights sent it, or None (the variables)."""
+
+    def refresh_weights(self) -> None:
+        """Fills the towers' copies with the current weights (once per update)."""
+
+    def reduce(self, sums: TowerSums) -> tuple[tf.Tensor, tf.Tensor, Callable[[], object]]:
+        """(the mean loss, the `Decision`, what applies the update on the host if it is applied)."""
+
+    def before_update(self) -> None:
+        """Takes in what was written into the TrainState since the last update."""
+
+    def after_update(self, applied: bool) -> None:
+        """Notes an update done, applied or not."""
+
+    def sync_state(self) -> None:
+        """`InnerStep.sync_state`."""
+
+    def state_written(self) -> None:
+        """`InnerStep.state_written`."""
+
+    def held_finite(self) -> bool:
+        """`InnerStep.held_finite`."""
+
+    def variable_roles(self) -> Mapping[str, list]:
+        """"weights": the layout's own copies of weights; "held": state that never leaves its device."""
+
+
+class TowerPlacement(Placement, Protocol):
+    """A placement tower mode runs: it builds its layout."""
+
+    def tower_layout(self, setup: TowerSetup) -> TowerLayout:
+        """The layout of a `TowerStep` over `setup`, its variables placed by this placement."""
+
+
+def weight_copies(model, device: str, tower: int, narrow_weights: Sequence[bool]) -> list[tf.Variable]:
+    """Tower `tower`'s copy of the trainable weights on `device`, in the compute dtype where it
+    reads them in it. Not state: a TowerStep is not checkpointed, and each update refreshes them."""
+    with tf.device(device):
+        return [tf.Variable(tf.zeros(v.shape, model.compute_dtype if narrow else v.dtype),
+                            trainable=False, name=f"tower_{tower}_weights_{j}")
+                for j, (v, narrow) in enumerate(zip(model.trainable_variables, narrow_weights, strict=True))]
+
+
+@dataclasses.dataclass(frozen=True)
+class OneDevice:
+    """Every variable on one device: tower mode's parameter device (`ParameterDeviceLayout`)."""
+
+    device: str
+
+    def scope(self) -> ContextManager:
+        return tf.device(self.device)
+
+    def device_of(self, variable) -> str:
+        return self.device
+
+    def describe(self, trainable_variables: Sequence) -> str:
+        return self.device
+
+    def tower_layout(self, setup: TowerSetup) -> TowerLayout:
+        return ParameterDeviceLayout(setup=setup, device=self.device)
+
+
+class ParameterDeviceLayout:
+    """Every variable on one device (`--ps_device=cpu|gpu`): the weights leave it once per update
+    for the towers that keep a copy (or each pass for the others), and every tower's gradient
+    sums come to it, which combines, decides and applies."""
+
+    def __init__(self, *, setup: TowerSetup, device: str):
+        model = setup.rule.model
+        self.host = device
+        self._setup = setup
+        # Per trainable variable: whether its value travels to the towers in the compute dtype.
+        self._narrow_weights = read_in_compute_dtype(model)
+        # Per tower: whether it is on another device than the variables, so that what it reads
+        # and returns crosses devices.
+        self._remote = [canonical_device(d) != canonical_device(device) for d in setup.tower_devices]
+        copied = setup.tower_weights == "per_update" and setup.accum > 1
+        self.copies = [weight_copies(model, tower_device, i, self._narrow_weights) if copied and remote else None
+                       for i, (tower_device, remote) in enumerate(zip(setup.tower_devices, self._remote, strict=True))]
+
+    def tower_weights(self) -> list:
+        weights = list(self.copies)
+        # The towers without a copy that read what the parameter device sends: those off it when
+        # weights travel narrowed, and every one under XLA, whose compiled pass reads no variable.
+        reads = [copies is None and (remote or self._setup.jit_compile)
+                 for copies, remote in zip(weights, self._remote, strict=True)]
+        if (any(self._narrow_weights) or self._setup.jit_compile) and any(reads):
+            sent = self._sent_weights()  # read once per micro-step, then sent to each tower
+            weights = [sent if read else copies for copies, read in zip(weights, reads, strict=True)]
+        return weights
+
+    def refresh_weights(self) -> None:
+        """Copies the current trainable weights to every tower that keeps a copy: the only
+        weight traffic of the update."""
+        sent = self._sent_weights()
+        for device, copies in zip(self._setup.tower_devices, self.copies, strict=True):
+            if copies is not None:
+                with tf.device(device):
+                    for copy, value in zip(copies, sent, strict=True):
+                        copy.assign(value)
+
+    def _sent_weights(self) -> list:
+        """The trainable weights as they travel to the towers: the variables themselves, or, where
+        a tower reads one in the compute dtype, its value cast to that on the device holding it."""
+        model = self._setup.rule.model
+        sent = []
+        with tf.device(self.host):
+            for v, narrow in zip(model.trainable_variables, self._narrow_weights, strict=True):
+                sent.append(tf.cast(v, model.compute_dtype) if narrow else v)
+        return sent
+
+    def reduce(self, sums: TowerSums) -> tuple[tf.Tensor, tf.Tensor, Callable[[], object]]:
+        """Every tower's gradient sums to the parameter device, which combines and decides."""
+        setup, rule = self._setup, self._setup.rule
+        tower_grads = list(sums.gradients)
+        if setup.transfer_dtype != tf.float32:
+            for i, (device, remote) in enumerate(zip(setup.tower_devices, self._remote, strict=True)):
+                if remote:
+                    with tf.device(device):
+                        tower_grads[i] = [tf.cast(g, setup.transfer_dtype) for g in tower_grads[i]]
+        with tf.device(self.host):
+            variables = rule.model.trainable_variables
+            tower_grads = [[tf.cast(g, v.dtype) for g, v in zip(grads, variables, strict=True)]
+                           for grads in tower_grads]  # back from transfer_dtype; else nothing
+            regularization, regularization_grads = regularization_gradients(rule.model)
+            mean_loss = sums.mean_loss(regularization)
+            mean_grads = combine_gradients(tower_grads, sums.counts, sums.safe_weight)
+            if rule.loss_scale is not None:
+                mean_grads = rule.loss_scale.unscale(mean_grads)
+            mean_grads = [g + r for g, r in zip(mean_grads, regularization_grads, strict=True)]
+            decision = rule.decide(sums.total_weight, tensors_finite([mean_loss, *mean_grads]), mean_loss)
+        return mean_loss, decision, lambda: rule.apply(rule.clip(mean_grads))
+
+    def before_update(self) -> None:
+        pass  # the towers read the TrainState's variables themselves
+
+    def after_update(self, applied: bool) -> None:
+        pass
+
+    def sync_state(self) -> None:
+        pass  # the TrainState's variables are the weights
+
+    def state_written(self) -> None:
+        pass
+
+    def held_finite(self) -> bool:
+        return True
+
+    def variable_roles(self) -> Mapping[str, list]:
+        return {"weights": [c for tower in self.copies if tower is not None for c in tower], "held": []}
+
+
 class TowerStep:
     """The inner step of tower mode for one model, optimizer and device layout."""
 
-    def __init__(self, rule: UpdateRule, tower_devices: Sequence[str], placement: OneDevice | SpreadPlacement,
-                 accum: int, shard_sizes: Sequence[int], jit_compile: bool = False, tower_weights: str = "per_update",
+    def __init__(self, *, rule: UpdateRule, tower_devices: Sequence[str], placement: TowerPlacement, accum: int,
+                 shard_sizes: Sequence[int], jit_compile: bool = False, tower_weights: str = "per_update",
                  transfer_dtype: str = "float32"):
-        """`placement`: where the rule's variables live (the parameter device), which also holds
-        the update's counters and decides it; or `SpreadPlacement`, whose slices the towers'
-        devices hold and update (`spread.SpreadState`), its host holding the rest. `tower_weights`:
-        "per_update" or "per_micro_step" (`TrainConfig.tower_weights`; spread: per_update).
+        """`placement`: where the rule's variables live; it builds the `TowerLayout` (created
+        after any restore, `Run.inner`, so a layout's own state starts from the restored one).
+        `tower_weights`: "per_update" or "per_micro_step" (`TrainConfig.tower_weights`).
         `transfer_dtype`: the dtype the towers' gradient sums cross devices in (float32, bfloat16
         or float16)."""
         model = rule.model
-        self._jit_compile = jit_compile
         self._tower = (compiled_tower_function(model, rule.loss_scale) if jit_compile
                        else tower_function(model, rule.loss_scale))
         self._rule = rule
         self._devices = tuple(tower_devices)
         self._shard_sizes = tuple(shard_sizes)  # examples of each tower per micro-step
-        self._placement = placement
-        spread = isinstance(placement, SpreadPlacement)
-        param_device = self._param_device = placement.host if spread else placement.device
         self._accum = accum
         self._examples_per_update = sum(shard_sizes) * accum  # G
-        # Per tower: whether it is on another device than the variables, so that what it reads
-        # and returns crosses devices.
-        self._remote = [canonical_device(d) != canonical_device(param_device) for d in self._devices]
-        self._transfer_dtype = tf.as_dtype(transfer_dtype)
-        # Per trainable variable: whether its value travels to the towers in the compute dtype.
-        self._narrow_weights = read_in_compute_dtype(model)
+        self.layout = placement.tower_layout(TowerSetup(rule, self._devices, accum, tower_weights, jit_compile,
+                                                        tf.as_dtype(transfer_dtype)))
         self._generator_states = seed_generator_states(model)  # None: a model without randomness
-        with tf.device(param_device):
+        with tf.device(self.layout.host):
             self._statistics = TrainingStatistics(model)
             if self._generator_states is not None:
                 self._micro_step = tf.Variable(0, dtype=tf.int64, trainable=False, name="micro_step")
@@ -121,27 +297,6 @@ class TowerStep:
             for i, device in enumerate(self._devices):
                 with tf.device(device):
                     self._sums.append(UpdateSums(model, prefix=f"tower_{i}_"))
-        # The slices of the weights, slots and averages, on the towers' devices; created after any
-        # restore (`Run.inner`), so they start from the restored state.
-        self._spread = (SpreadState(model.trainable_variables, rule.optimizer, rule.moving_average, placement)
-                        if spread else None)
-        self._synced = True  # whether the TrainState's variables hold the slices' values
-        self._written = False  # whether they were written since, so that the slices must take them
-        # Per tower, on its device: a copy of the trainable weights, or None to read them from the
-        # parameter device. Not state: a TowerStep is not checkpointed, and each update refreshes them.
-        # Spread: every tower, since the TrainState's weights are not current.
-        copied = tower_weights == "per_update" and accum > 1
-        self._weight_copies: list[list[tf.Variable] | None] = []
-        for i, (device, remote) in enumerate(zip(self._devices, self._remote, strict=True)):
-            if spread or (copied and remote):
-                with tf.device(device):
-                    self._weight_copies.append([
-                        tf.Variable(tf.zeros(v.shape, model.compute_dtype if narrow else v.dtype),
-                                    trainable=False, name=f"tower_{i}_weights_{j}")
-                        for j, (v, narrow) in enumerate(zip(model.trainable_variables, self._narrow_weights,
-                                                            strict=True))])
-            else:
-                self._weight_copies.append(None)
         self.refresh_weights = tf.function(self._refresh_weights)
         self.accumulate = tf.function(self._accumulate)
         self.update = tf.function(self._update)
@@ -149,31 +304,27 @@ class TowerStep:
     @property
     def copies_weights(self) -> bool:
         """Whether some tower reads its own copy of the weights (refreshed once per update)."""
-        return any(copies is not None for copies in self._weight_copies)
+        return any(copies is not None for copies in self.layout.copies)
 
     def run_update(self, batches: Iterator[Batch]) -> UpdateResult:
         """Takes K global micro-batches from `batches` and applies one update."""
-        if self._written:
-            self._spread.scatter()
-            self._written = False
+        self.layout.before_update()
         if self.copies_weights:
             self.refresh_weights()
         for _ in range(self._accum - 1):
             self.accumulate(*next(batches))
         result = UpdateResult.of(*self.update(*next(batches)))
-        self._synced = self._synced and not (self._spread is not None and result.applied)
+        self.layout.after_update(result.applied)
         return result
 
     def sync_state(self) -> None:
-        if not self._synced:
-            self._spread.gather()
-            self._synced = True
+        self.layout.sync_state()
 
     def state_written(self) -> None:
-        self._written = self._spread is not None
+        self.layout.state_written()
 
     def held_finite(self) -> bool:
-        return self._spread is None or self._spread.finite()
+        return self.layout.held_finite()
 
     def traced_update(self, spec: BatchSpec) -> list[tuple[object, int]]:
         runs = [(self.refresh_weights.get_concrete_function(), 1)] if self.copies_weights else []
@@ -183,62 +334,21 @@ class TowerStep:
 
     def variable_roles(self) -> Mapping[str, Sequence]:
         model = self._rule.model
-        copies = [c for tower in self._weight_copies if tower is not None for c in tower]
+        layout = self.layout.variable_roles()
         # Every tower's gradient sums, then its loss sums, then its weight sums (and batch losses').
         sums = ([v for tower in self._sums for v in tower.gradient_variables]
                 + [v for scalars in zip(*(tower.scalar_variables for tower in self._sums)) for v in scalars])
-        slices = [] if self._spread is None else self._spread.weights
-        return {"weights": model.trainable_variables + copies + slices, "gradients": sums,
-                "statistics": model.non_trainable_weights,
-                "held": [] if self._spread is None else self._spread.held_variables()}
+        return {"weights": model.trainable_variables + layout["weights"], "gradients": sums,
+                "statistics": model.non_trainable_weights, "held": layout["held"]}
 
     def _refresh_weights(self) -> None:
-        """Copies the current trainable weights to every tower that keeps a copy: the only
-        weight traffic of the update. Spread: each tower joins its copy of a weight from the
-        weight's slices, which their owners send (cast to the compute dtype where it is read in
-        it); a tower receives only the slices it does not own."""
-        sent = self._sent_weights() if self._spread is None else self._sent_slices()
-        for device, copies in zip(self._devices, self._weight_copies, strict=True):
-            if copies is not None:
-                with tf.device(device):
-                    for j, copy in enumerate(copies):
-                        copy.assign(sent[j] if self._spread is None
-                                    else joined([sent[k] for k in self._spread.slices_of[j]]))
-
-    def _sent_slices(self) -> list[tf.Tensor]:
-        """Spread: each slice as it travels to the towers, read (and cast to the compute dtype
-        where its weight is read in it) on its owner."""
-        model, spread = self._rule.model, self._spread
-        sent = []
-        for k, piece in enumerate(spread.slices):
-            with tf.device(spread.devices[piece.owner]):
-                value = spread.weights[k].value.read_value()
-                sent.append(tf.cast(value, model.compute_dtype) if self._narrow_weights[piece.variable] else value)
-        return sent
-
-    def _sent_weights(self) -> list:
-        """The trainable weights as they travel to the towers: the variables themselves, or, where
-        a tower reads one in the compute dtype, its value cast to that on the device holding it."""
-        model = self._rule.model
-        sent = []
-        for v, narrow in zip(model.trainable_variables, self._narrow_weights, strict=True):
-            with tf.device(self._placement.device_of(v)):
-                sent.append(tf.cast(v, model.compute_dtype) if narrow else v)
-        return sent
+        self.layout.refresh_weights()
 
     def _towers(self, batch: Batch) -> list:
-        weights = list(self._weight_copies)
-        # The towers without a copy that read what the parameter device sends: those off it when
-        # weights travel narrowed, and every one under XLA, whose compiled pass reads no variable.
-        reads = [copies is None and (remote or self._jit_compile)
-                 for copies, remote in zip(weights, self._remote, strict=True)]
-        if (any(self._narrow_weights) or self._jit_compile) and any(reads):
-            sent = self._sent_weights()  # read once per micro-step, then sent to each tower
-            weights = [sent if read else copies for copies, read in zip(weights, reads, strict=True)]
-        shards = [(*shard, copies) for shard, copies in
-                  zip(split_batch(batch, self._shard_sizes), weights, strict=True)]
+        shards = [(*shard, weights) for shard, weights in
+                  zip(split_batch(batch, self._shard_sizes), self.layout.tower_weights(), strict=True)]
         if self._generator_states is not None:
-            with tf.device(self._param_device):
+            with tf.device(self.layout.host):
                 update, micro_step = self._rule.step.read_value(), self._micro_step.read_value()
                 shards = [(*shard, pass_seeds(self._generator_states, update, micro_step, i))
                           for i, shard in enumerate(shards)]
@@ -262,7 +372,7 @@ class TowerStep:
             with tf.device(device):  # the update's earlier micro-steps too (none at K = 1)
                 results.append(self._sums[i].plus(result) if self._sums else result)
         counts = labels_per_shard(weights.shape, self._shard_sizes)
-        with tf.device(self._param_device):
+        with tf.device(self.layout.host):
             total_weight = tf.add_n([result.weight_sum for result in results])
             safe_weight = tf.where(total_weight > 0, total_weight, 1.0)  # W = 0 is refused below
         tower_grads = []
@@ -275,13 +385,16 @@ class TowerStep:
                     factor = safe_weight * (size / (count * self._examples_per_update))
                     grads = [g + b * factor for g, b in zip(grads, result.batch_gradients, strict=True)]
             tower_grads.append(grads)
-        reduce = self._reduce_on_parameter_device if self._spread is None else self._reduce_on_owners
-        mean_loss, decision = reduce(tower_grads, results, counts, total_weight, safe_weight)
+        mean_loss, decision, apply = self.layout.reduce(TowerSums(
+            tower_grads, counts, total_weight, safe_weight,
+            lambda regularization: self._mean_loss(results, total_weight, regularization)))
+        with tf.device(self.layout.host):
+            self._settle(decision, apply)
         for device, sums in zip(self._devices, self._sums):  # none at K = 1
             with tf.device(device):
                 sums.clear()
         if self._generator_states is not None:
-            with tf.device(self._param_device):
+            with tf.device(self.layout.host):
                 self._micro_step.assign(0)
         return mean_loss, total_weight, decision
 
@@ -295,89 +408,8 @@ class TowerStep:
                                    for result, size in zip(results, self._shard_sizes, strict=True)])
         return mean_loss
 
-    def _reduce_on_parameter_device(self, tower_grads: list[list[tf.Tensor]], results: Sequence[TowerResult],
-                                    counts: Sequence[float], total_weight: tf.Tensor,
-                                    safe_weight: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
-        """Every tower's gradient sums to the parameter device, which combines, decides and
-        applies; returns (the mean loss, the `Decision`)."""
-        if self._transfer_dtype != tf.float32:
-            for i, (device, remote) in enumerate(zip(self._devices, self._remote, strict=True)):
-                if remote:
-                    with tf.device(device):
-                        tower_grads[i] = [tf.cast(g, self._transfer_dtype) for g in tower_grads[i]]
-        rule = self._rule
-        with tf.device(self._param_device):
-            variables = rule.model.trainable_variables
-            tower_grads = [[tf.cast(g, v.dtype) for g, v in zip(grads, variables, strict=True)]
-                           for grads in tower_grads]  # back from transfer_dtype; else nothing
-            regularization, regularization_grads = regularization_gradients(rule.model)
-            mean_loss = self._mean_loss(results, total_weight, regularization)
-            mean_grads = combine_gradients(tower_grads, counts, safe_weight)
-            if rule.loss_scale is not None:
-                mean_grads = rule.loss_scale.unscale(mean_grads)
-            mean_grads = [g + r for g, r in zip(mean_grads, regularization_grads, strict=True)]
-            decision = rule.decide(total_weight, tensors_finite([mean_loss, *mean_grads]), mean_loss)
-            self._settle(decision, lambda: rule.apply(rule.clip(mean_grads)))
-        return mean_loss, decision
-
-    def _reduce_on_owners(self, tower_grads: list[list[tf.Tensor]], results: Sequence[TowerResult],
-                          counts: Sequence[float], total_weight: tf.Tensor,
-                          safe_weight: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
-        """Spread: each tower sends each slice's owner its rows of the gradient sums; each owner
-        combines its slices' gradients, adds the regularization's and sends the host one finite
-        flag and one squared norm; the host decides, and each owner applies its slices (clipped
-        by the global norm). Returns (the mean loss, the `Decision`)."""
-        rule, spread = self._rule, self._spread
-        variables = rule.model.trainable_variables
-        pieces = []  # per tower, per slice: its rows of the tower's gradient sums
-        for device, grads in zip(self._devices, tower_grads, strict=True):
-            with tf.device(device):
-                row = [spread.rows(grads[piece.variable], k) for k, piece in enumerate(spread.slices)]
-                if self._transfer_dtype != tf.float32:
-                    row = [part if canonical_device(spread.devices[piece.owner]) == canonical_device(device)
-                           else tf.cast(part, self._transfer_dtype) for part, piece in zip(row, spread.slices)]
-            pieces.append(row)
-        with tf.device(self._param_device):
-            rate = rule.optimizer.learning_rate  # at this update, before the count moves
-            update_number = rule.step.read_value() + 1
-        owner_grads, halves, finite = {}, [], []
-        regularization = None
-        for d, device in enumerate(self._devices):
-            if not spread.owned[d] and d > 0:
-                continue
-            with tf.device(device):
-                # Tower d's copy of the weights, exact: its own rows from its slices.
-                regularization_d, regularization_grads = regularization_gradients(rule.model, self._exact_weights(d))
-                regularization = regularization_d if regularization is None else regularization
-                grads = []
-                for k in spread.owned[d]:
-                    j = spread.slices[k].variable
-                    grad = combine_gradients([[tf.cast(row[k], variables[j].dtype)] for row in pieces], counts,
-                                             safe_weight)[0]
-                    if rule.loss_scale is not None:
-                        grad = rule.loss_scale.unscale([grad])[0]
-                    grads.append(grad + spread.rows(regularization_grads[j], k))
-                if grads:
-                    owner_grads[d] = grads
-                    if rule.clip_norm is not None:
-                        halves.append(rule.half_squared_norm(grads))
-                    finite.append(tensors_finite(grads))
-        with tf.device(self._param_device):
-            mean_loss = self._mean_loss(results, total_weight, regularization)
-            decision = rule.decide(total_weight, tf.reduce_all(tf.stack([tf.math.is_finite(mean_loss), *finite])),
-                                   mean_loss)
-            applied = tf.equal(decision, int(Decision.APPLIED))
-            norm = None if rule.clip_norm is None else rule.global_norm(halves)
-        for d, grads in owner_grads.items():
-            with tf.device(self._devices[d]):
-                tf.cond(applied, lambda d=d, grads=grads: spread.apply(d, rule.clip(grads, norm), rate, update_number),
-                        lambda: None)
-        with tf.device(self._param_device):
-            self._settle(decision, lambda: (rule.count_update(), spread.count_update()))
-        return mean_loss, decision
-
     def _settle(self, decision: tf.Tensor, apply: Callable[[], object]) -> None:
-        """On the current device (the parameter device, or spread's host): `apply()` and keep
+        """On the current device (the layout's host): `apply()` and keep
         the BN statistics if the update is applied, else put them back and refuse it."""
         def applied() -> None:
             apply()
@@ -388,18 +420,3 @@ class TowerStep:
             self._rule.refuse(decision)
 
         tf.cond(tf.equal(decision, int(Decision.APPLIED)), applied, refused)
-
-    def _exact_weights(self, device: int) -> list[tf.Tensor]:
-        """Spread: the trainable weights at tower `device`, from its copy, except where the copy
-        is in the compute dtype: there its own slices' rows are taken exact, the others are the
-        copy's (so the regularization's gradient is exact on its rows for a per-weight penalty)."""
-        spread, copies = self._spread, self._weight_copies[device]
-        weights = []
-        for j, (copy, variable) in enumerate(zip(copies, self._rule.model.trainable_variables, strict=True)):
-            value = tf.cast(copy, variable.dtype)
-            if self._narrow_weights[j]:
-                value = joined([spread.weights[k].value if spread.slices[k].owner == device else spread.rows(value, k)
-                                for k in spread.slices_of[j]])
-            weights.append(value)
-        return weights
-
