@@ -92,25 +92,22 @@ class AlsoStopsAt(StopsAt):
     pass
 
 
-def test_keras_callbacks_tell_each_update_and_each_new_evaluation_once_and_name_the_first_stop():
-    """A run resumed after update 2 (whose evaluation a callback heard before), then updates 3
-    and 4 with an evaluation after each; the Controller's calls made here by hand."""
+def test_keras_callbacks_tell_each_update_and_evaluation_as_keras_logs_and_name_the_first_stop():
+    """Updates 3 and 4 of a resumed run with an evaluation after each; the Controller's calls
+    of its hook made here by hand."""
     model, recorder = network(), Recorder()
     model.stop_training = True  # left by an earlier run: training begins without it
-    history = {"step": [2], "loss": [0.75], "learning_rate": [0.25], "val_step": [2],
-               "val_precision": [0.25], "val_loss": [1.5]}
-    told = KerasCallbacks([recorder, StopsAt(4), AlsoStopsAt(4)], model, history)
-    assert recorder.model is model
+    told = KerasCallbacks(callbacks=[recorder, StopsAt(4), AlsoStopsAt(4)], model=model)
+    assert recorder.model is model and told.user_code
     told.train_begin()
-    assert not told.stop_asked
+    assert told.stop_asked() is None
     state = SimpleNamespace(optimizer=keras.optimizers.SGD(0.25))
     for step, loss, precision, held_out_loss in ((3, 0.5, 0.5, 1.25), (4, 0.375, 0.75, 1.0)):
         told.update_begin(step)
-        history["val_step"].append(step)  # the evaluation hook ran before the callbacks' hook
-        history["val_precision"].append(precision)
-        history["val_loss"].append(held_out_loss)
-        told.after_update(SimpleNamespace(step=step, loss=loss, state=state))
-        assert told.stop_asked == (step == 4)
+        assert told.after_update(SimpleNamespace(step=step, loss=loss, state=state)) is None
+        held_out = {"val_precision": precision, "val_loss": held_out_loss}
+        told.after_evaluation(step, held_out)
+        assert told.stop_asked() == ("callback StopsAt.on_train_batch_end" if step == 4 else None)
     told.train_end()
     assert recorder.calls == [
         ("train_begin",),
@@ -119,7 +116,7 @@ def test_keras_callbacks_tell_each_update_and_each_new_evaluation_once_and_name_
         ("batch_begin", 4), ("batch_end", 4, {"loss": 0.375, "learning_rate": 0.25}),
         ("epoch_end", 4, {"val_precision": 0.75, "val_loss": 1.0}),
         ("train_end",)]
-    assert told.stopped_by == "callback StopsAt.on_train_batch_end"
+    assert told.weights_written_by is None
 
 
 class Lines(logging.Handler):

@@ -11,7 +11,7 @@ import pytest
 import tensorflow as tf
 
 from tower_train.cluster import WorkerInfo, parse_tf_config
-from tower_train.config import TrainConfig
+from tower_train.config import MODE_RULES, TrainConfig
 from tower_train.devices import canonical_device, plan_devices
 from tower_train.errors import UsageError
 from tower_train.modes import MODES, build_mode, fit_plan_to_mode, resolve_all_reduce
@@ -202,3 +202,7 @@ def test_a_worker_whose_peer_dies_exits_naming_it(tmp_path):
         workers[1].wait(timeout=60)
     finally:
         kill_running(workers)
+
+
+def test_every_mode_of_the_rules_has_its_class_which_takes_its_rules_from_them():
+    assert {name: mode.rules for name, mode in MODES.items()} == MODE_RULES

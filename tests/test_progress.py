@@ -12,7 +12,7 @@ import tensorflow as tf
 
 from tower_train.config import TrainConfig
 from tower_train.progress import Progress, Summaries, new_history
-from tower_train.trainer import UpdateEvent
+from tower_train.hooks import UpdateEvent
 
 GLOBAL_BATCH = 64
 LEARNING_RATE = 0.25
@@ -52,9 +52,9 @@ def rate(steps) -> float:
 
 def make_progress(tmp_path, log, live=False, first_step=0, summaries=None, history=None) -> Progress:
     config = TrainConfig(train_dir=str(tmp_path), log_every=3, max_steps=7)
-    return Progress(config, GLOBAL_BATCH, first_step,
-                    summaries if summaries is not None else Summaries(str(tmp_path)), log, live,
-                    history if history is not None else new_history())
+    return Progress(config=config, global_batch=GLOBAL_BATCH, first_step=first_step,
+                    summaries=summaries if summaries is not None else Summaries(str(tmp_path)),
+                    log=log, live=live, history=history if history is not None else new_history())
 
 
 def test_log_lines_come_after_the_first_update_every_log_every_and_at_max_steps(tmp_path):
@@ -128,3 +128,17 @@ def test_summaries_whose_directory_cannot_be_made_turn_off_with_one_warning(tmp_
     warnings = [r.getMessage() for r in caplog.records if "TensorBoard summaries are off" in r.getMessage()]
     assert len(warnings) == 1 and str(blocker / "train_dir") in warnings[0], caplog.text
     assert blocker.read_text() == "not a directory"
+
+
+def test_a_held_out_evaluation_goes_to_the_history_and_tensorboard_at_its_step(tmp_path):
+    summaries, history = Summaries(str(tmp_path)), new_history(["auc"])
+    progress = make_progress(tmp_path, lambda *_: None, summaries=summaries, history=history)
+    progress.after_evaluation(2, {"val_precision": 0.5, "val_loss": 1.25, "val_auc": 0.75})
+    progress.after_evaluation(5, {"val_precision": 0.625, "val_loss": 1.0, "val_auc": 0.875})
+    summaries.close()
+    assert {key: history[key] for key in ("val_step", "val_precision", "val_loss", "val_auc")} == {
+        "val_step": [2, 5], "val_precision": [0.5, 0.625], "val_loss": [1.25, 1.0],
+        "val_auc": [0.75, 0.875]}
+    assert history["step"] == history["loss"] == []
+    assert read_scalars(tmp_path) == {2: {"val_precision": 0.5, "val_loss": 1.25, "val_auc": 0.75},
+                                      5: {"val_precision": 0.625, "val_loss": 1.0, "val_auc": 0.875}}

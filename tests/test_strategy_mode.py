@@ -34,7 +34,7 @@ def make_step(accum=2, momentum=0.0, normalized=False,
         step = tf.Variable(0, dtype=tf.int64, trainable=False)
         scale = LossScale() if loss_scale else None
     rule = UpdateRule(model, optimizer, step, loss_scale=scale)
-    return StrategyStep(STRATEGY, rule, accum), rule
+    return StrategyStep(strategy=STRATEGY, rule=rule, accum=accum), rule
 
 
 def replica_values(variables) -> list[list[np.ndarray]]:

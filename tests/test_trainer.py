@@ -21,6 +21,7 @@ from tower_train import checkpoints, run_dir, trainer
 from tower_train.cluster import PeerClock
 from tower_train.config import TrainConfig
 from tower_train.errors import Stopped, TrainingError
+from tower_train.hooks import Hook, UpdateEvent
 from tower_train.inner_step import Decision, UpdateResult
 from tower_train.models import TowerModel
 from tower_train.run import TrainState
@@ -132,12 +133,26 @@ class ScriptedStep:
         raise NotImplementedError
 
 
-class RecordingHook:
+class RecordingHook(Hook):
     def __init__(self):
-        self.events: list[trainer.UpdateEvent] = []
+        self.events: list[UpdateEvent] = []
+        self.heard: list[tuple] = []  # every call but after_update's event: (method, arguments)
 
-    def after_update(self, event: trainer.UpdateEvent) -> None:
+    def train_begin(self) -> None:
+        self.heard.append(("train_begin",))
+
+    def update_begin(self, step: int) -> None:
+        self.heard.append(("update_begin", step))
+
+    def after_update(self, event: UpdateEvent) -> None:
         self.events.append(event)
+        self.heard.append(("after_update", event.step))
+
+    def after_evaluation(self, step: int, held_out) -> None:
+        self.heard.append(("after_evaluation", step, dict(held_out)))
+
+    def train_end(self) -> None:
+        self.heard.append(("train_end",))
 
     def close(self) -> None:
         raise AssertionError("the Controller does not close its hooks: train() does")
@@ -149,7 +164,7 @@ class Run:
     def __init__(self, train_dir, script: list[UpdateResult], fp16: bool = False,
                  during: dict[int, Callable[[], None]] | None = None,
                  stop: StopSignals | None = None, any_worker: Callable[[bool], bool] = bool,
-                 hooks: int = 2, **overrides):
+                 hooks: int | list[Hook] = 2, **overrides):
         self.train_dir = str(train_dir)
         self.config = TrainConfig(**{"train_dir": self.train_dir, "num_gpus": 1, "batch_size": 4,
                                      "precision": "fp16" if fp16 else "fp32", **overrides})
@@ -161,12 +176,13 @@ class Run:
         self.clock = RecordingClock()
         self.inner = ScriptedStep(self.state, self.config.accum, script, self.clock, during)
         self.inner.saved = self.saved
-        self.hooks = [RecordingHook() for _ in range(hooks)]
+        self.hooks = hooks if isinstance(hooks, list) else [RecordingHook() for _ in range(hooks)]
         self.logged: list[str] = []
         self.controller = trainer.Controller(
-            self.config, self.state, self.inner, itertools.count(), self.writer, self.hooks,
-            self.config.global_batch, lambda message, *args: self.logged.append(message % args),
-            stop, any_worker, self.clock)
+            config=self.config, state=self.state, inner=self.inner, batches=itertools.count(),
+            writer=self.writer, hooks=self.hooks, global_batch=self.config.global_batch,
+            log=lambda message, *args: self.logged.append(message % args), stop=stop,
+            any_worker=any_worker, watchdog=self.clock)
 
     def saved(self) -> list[int]:
         """The numbers of the checkpoints in train_dir, from their files."""
@@ -210,6 +226,49 @@ def test_a_run_counts_its_updates_saves_at_the_cadence_and_at_the_end_and_calls_
     # which hears of every micro-step (5 x 3), update (5) and save (3).
     assert [call["local_work"] for call in run.inner.calls] == [True, False, False, False, False]
     assert run.clock.progress_points == 5 * 3 + 5 + 3
+
+
+class Evaluates(RecordingHook):
+    """Evaluates after update 2: hands back its held-out values."""
+
+    def after_update(self, event: UpdateEvent):
+        super().after_update(event)
+        return {"val_loss": 0.25 * event.step} if event.step == 2 else None
+
+
+class UserHook(RecordingHook):
+    """A hook of the user's code, which asks to stop after update `stop_after`."""
+
+    user_code = True
+
+    def __init__(self, stop_after: int):
+        super().__init__()
+        self.stop_after = stop_after
+
+    def stop_asked(self):
+        return "UserHook" if self.events and self.events[-1].step == self.stop_after else None
+
+
+def test_held_out_values_a_hook_returns_reach_every_hook_and_a_user_hook_stops_the_run_saved(tmp_path):
+    before, evaluates, user = RecordingHook(), Evaluates(), UserHook(stop_after=3)
+    run = Run(tmp_path, [applied(loss) for loss in (3.0, 2.0, 1.0, 0.5)], hooks=[before, evaluates, user],
+              max_steps=4, checkpoint_every=100)
+
+    assert run.controller.run() == 1.0
+    update = [[("update_begin", step), ("after_update", step)] for step in (1, 2, 3)]
+    told = [("train_begin",), *update[0], *update[1], ("after_evaluation", 2, {"val_loss": 0.5}),
+            *update[2]]
+    # The hook before the one that evaluated hears of it too, after every hook's after_update.
+    assert before.heard == evaluates.heard == user.heard == told
+    assert run.controller.last_evaluated == 2
+    # Stopped at the boundary of update 3, saved; the user's hook ran on the current state
+    # (made current before each call, marked written after).
+    assert run.saved() == [3]
+    assert run.logged[-1] == f"UserHook set model.stop_training: stopped after update 3, saved {run.ckpt(3)}"
+    assert [step for step, _ in run.inner.syncs] == [0, 0, 1, 1, 2, 2, 2, 3, 3]  # the last: the save
+    assert run.inner.written == [0, 0, 1, 1, 2, 2, 2, 3]
+    run.controller.end()
+    assert user.heard[-1] == before.heard[-1] == ("train_end",)
 
 
 def test_a_run_already_at_max_steps_trains_nothing_and_writes_nothing(tmp_path):

@@ -100,6 +100,12 @@ def prepare_devices(config: TrainConfig, announce: bool = False):
 
     The plan's line is logged when `announce`; training logs it once the model is built.
     """
+    return _devices_and_reduction(config, announce)[0]
+
+
+def _devices_and_reduction(config: TrainConfig, announce: bool = False) -> tuple[object, str]:
+    """`prepare_devices`'s plan, and the reduction --all_reduce resolves to on it, which the
+    mode is built with."""
     from absl import logging
 
     from tower_train import devices, modes
@@ -107,11 +113,11 @@ def prepare_devices(config: TrainConfig, announce: bool = False):
 
     machine_plan = devices.plan_for_this_machine(config.num_gpus, config.ps_device, config.gpu_memory_mb)
     plan = modes.fit_plan_to_mode(config.mode, machine_plan)
-    modes.resolve_all_reduce(config.mode, config.all_reduce, plan)
+    all_reduce = modes.resolve_all_reduce(config.mode, config.all_reduce, plan)
     devices.apply_device_plan(plan)
     if announce:
         logging.info("%s%s", plan.message, tf32_note(plan.tower_devices, config.tf32))
-    return plan
+    return plan, all_reduce
 
 
 def array_source(data: object, eval_data: object, shuffle: bool | None,
@@ -320,7 +326,7 @@ def log_shown() -> Iterator[None]:
 def _fit(config: TrainConfig, worker, model, loss, optimizer, data, num_classes, callbacks,
          metrics, stop, watchdog: cluster.PeerClock, live_progress: bool):
     """`fit` once the inputs are checked and the train_dir is this run's."""
-    plan = prepare_devices(config)
+    plan, all_reduce = _devices_and_reduction(config)
 
     import tensorflow as tf
 
@@ -330,7 +336,7 @@ def _fit(config: TrainConfig, worker, model, loss, optimizer, data, num_classes,
     from tower_train.modes import build_mode
 
     watchdog.progress()  # the clock starts: a multi-worker strategy's start-up waits on the peers
-    mode = build_mode(config, plan, worker)  # first: a multi-worker strategy must precede other ops
+    mode = build_mode(config, plan, worker, all_reduce)  # first: a multi-worker strategy must precede other ops
     with watchdog.local_work():
         metrics = make_metrics(metrics)
         source = data if data is not None else datasets.load_source(

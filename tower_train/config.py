@@ -26,6 +26,8 @@ class ModeRules:
 
     name: str
     all_reduce: tuple[str, ...]  # the --all_reduce choices
+    # What --all_reduce=auto picks: with one whole GPU per tower, and on split GPUs or CPUs.
+    auto_all_reduce: tuple[str, str]
     # Towers placed by hand and the variables on the parameter device: the tower-only options
     # (--tower_split, --tower_weights, --transfer_precision) are for it alone.
     places_towers: bool = False
@@ -37,14 +39,17 @@ class ModeRules:
     keeps_replica_state: bool = True
 
 
+# The one registry of the modes: modes.py's Mode classes take their rules from it by name.
 MODE_RULES = {rules.name: rules for rules in (
-    ModeRules("tower", ("auto",), places_towers=True),  # reduces on the parameter device, by hand
-    ModeRules("mirrored", ("auto", "nccl", "hierarchical_copy", "one_device"), mirrors_variables=True,
-              replica_context=True),
-    ModeRules("multi_worker", ("auto", "nccl", "ring"), workers=True, mirrors_variables=True,
-              replica_context=True),
+    # Reduces on the parameter device, by hand.
+    ModeRules("tower", ("auto",), ("parameter_device", "parameter_device"), places_towers=True),
+    ModeRules("mirrored", ("auto", "nccl", "hierarchical_copy", "one_device"), ("nccl", "one_device"),
+              mirrors_variables=True, replica_context=True),
+    ModeRules("multi_worker", ("auto", "nccl", "ring"), ("nccl", "ring"), workers=True,
+              mirrors_variables=True, replica_context=True),
     # The strategy reduces to its parameter device.
-    ModeRules("central_storage", ("auto",), keeps_replica_state=False),
+    ModeRules("central_storage", ("auto",), ("parameter_device", "parameter_device"),
+              keeps_replica_state=False),
 )}
 MODES = tuple(MODE_RULES)
 HAND_PLACED_MODE = next(rules.name for rules in MODE_RULES.values() if rules.places_towers)

@@ -1,5 +1,5 @@
-"""Held-out evaluation, shared by training (`--eval_every` and its last line) and
-`python -m tower_train.eval`.
+"""Held-out evaluation, shared by training (`--eval_every`: `EvaluationHook`, and its last
+line) and `python -m tower_train.eval`.
 
 Precision @ 1 is weighted top-1 over the labels' last axis: the sum of the
 weights of the labels whose logits' argmax is right, over the sum of all
@@ -28,6 +28,7 @@ batch size and the number of towers N:
 from __future__ import annotations
 
 import dataclasses
+import time
 import weakref
 from typing import Callable, Sequence
 
@@ -35,8 +36,10 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tower_train.cluster import PeerClock
 from tower_train.data import RUN_OP_ERRORS, Source, describe_nest, rows
 from tower_train.errors import TrainingError, UsageError
+from tower_train.hooks import Hook, UpdateEvent
 from tower_train.user_code import call_user_code
 
 # The names the held-out quantities already have in TrainResult.history (val_<name>).
@@ -297,3 +300,34 @@ def use_moving_average(model, moving_average) -> None:
         raise ValueError(f"{len(averages)} moving averages for {len(weights)} trainable weights")
     for weight, average in zip(weights, averages):
         weight.assign(tf.convert_to_tensor(average))
+
+
+class EvaluationHook(Hook):
+    """A Controller hook (hooks.py): held-out precision, loss and metrics every `every` updates
+    (not at the last: training evaluates then), whose values it hands the hooks after it."""
+
+    def __init__(self, *, source: Source, batch_size: int, devices: Sequence[str], every: int,
+                 max_steps: int, log: Callable[..., None], watchdog: PeerClock,
+                 metrics: Sequence[keras.metrics.Metric] = (),
+                 sync_state: Callable[[], None] = lambda: None):
+        """`sync_state`: makes the state's variables current before an evaluation reads them
+        (`InnerStep.sync_state`)."""
+        self.source, self.batch_size, self.devices = source, batch_size, devices
+        self.sync_state = sync_state
+        self.every, self.max_steps, self.log = every, max_steps, log
+        self.watchdog = watchdog  # an evaluation is local work: no peer wait to time
+        self.metrics = metrics
+
+    def after_update(self, event: UpdateEvent) -> dict[str, float] | None:
+        if event.step % self.every or event.step == self.max_steps:
+            return None
+        started = time.perf_counter()
+        self.sync_state()
+        with self.watchdog.local_work():
+            evaluation = evaluate(event.state.model, self.source, self.batch_size, self.devices,
+                                  self.metrics)
+        if evaluation.loss is None:
+            return None
+        self.log("step %d, held-out %s (%d examples, %.2f s)", event.step, evaluation.describe(),
+                 evaluation.examples, time.perf_counter() - started)
+        return evaluation.scalars()

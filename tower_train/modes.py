@@ -10,7 +10,8 @@ variables, where they live (a `devices.Placement`) and which inner step runs the
   TF's own variables-on-one-device strategy, over the same towers and parameter device.
 
 All four apply the same update: the gradient of the weighted mean loss over the G examples
-(`strategy_mode` for the three strategies). What each allows is `config.MODE_RULES`.
+(`strategy_mode` for the three strategies). What each is and allows, its default reduction
+included, is `config.MODE_RULES`, from which each class takes its `rules` by name.
 """
 from __future__ import annotations
 
@@ -46,13 +47,14 @@ def resolve_all_reduce(mode: str, choice: str, plan: DevicePlan) -> str:
     """The concrete cross-device reduction for `--all_reduce=choice` (already valid for `mode`).
 
     NCCL needs real, whole GPUs; on logical GPUs split from one, or on CPUs, each mode's
-    `auto_all_reduce` picks its reduction without it.
+    `ModeRules.auto_all_reduce` picks its reduction without it.
     """
     whole_gpus = plan.split == "none" and plan.tower_devices[0].startswith("/gpu")
     if choice == "nccl" and not whole_gpus:
         raise UsageError("--all_reduce=nccl: needs one physical GPU per tower; "
                          f"this run's towers are {plan.tower_devices[0]}.. ({plan.split} split)")
-    return MODES[mode].auto_all_reduce(whole_gpus) if choice == "auto" else choice
+    with_whole_gpus, otherwise = MODE_RULES[mode].auto_all_reduce
+    return (with_whole_gpus if whole_gpus else otherwise) if choice == "auto" else choice
 
 
 def check_jit_compile(mode: str, plan: DevicePlan) -> None:
@@ -68,24 +70,20 @@ def check_jit_compile(mode: str, plan: DevicePlan) -> None:
 
 class Mode:
     """How a run places its variables and runs its updates: one subclass per --mode, which owns
-    its strategy (none in tower mode), its default reduction and its inner step. What each mode
-    allows is `config.MODE_RULES[name]`, which the options' checks read before TensorFlow loads."""
+    its strategy (none in tower mode) and its inner step. What each mode is and allows is its
+    `rules`, `config.MODE_RULES[name]`, which the options' checks read before TensorFlow loads."""
 
-    name: ClassVar[str]
+    rules: ClassVar[ModeRules]
 
-    def __init__(self, config: TrainConfig, plan: DevicePlan, worker: WorkerInfo):
-        """Creates the mode's strategy; call it before any other TF op runs."""
+    def __init__(self, *, config: TrainConfig, plan: DevicePlan, worker: WorkerInfo, all_reduce: str):
+        """Creates the mode's strategy; call it before any other TF op runs. `all_reduce`: the
+        reduction `resolve_all_reduce` gave for the config on `plan`."""
         if config.jit_compile:
-            check_jit_compile(self.name, plan)
+            check_jit_compile(self.rules.name, plan)
         self.config, self.plan, self.worker = config, plan, worker
-        self.all_reduce = resolve_all_reduce(self.name, config.all_reduce, plan)
+        self.all_reduce = all_reduce
         self.placement = self._placement()
         self._vote = None  # the compiled any_worker
-
-    @staticmethod
-    def auto_all_reduce(whole_gpus: bool) -> str:
-        """The reduction of --all_reduce=auto, with or without one whole GPU per tower."""
-        raise NotImplementedError
 
     def _placement(self) -> Placement:
         raise NotImplementedError
@@ -95,10 +93,6 @@ class Mode:
         micro-steps: clipped to --clip_norm, each tower's share as --tower_split says, compiled
         with XLA under --jit_compile."""
         raise NotImplementedError
-
-    @property
-    def rules(self) -> ModeRules:
-        return MODE_RULES[self.name]
 
     @property
     def strategy(self):  # tf.distribute.Strategy | None
@@ -127,11 +121,7 @@ class TowerMode(Mode):
     """The classic pattern: no strategy, the variables on the parameter device, the towers
     placed by hand (`tower_mode.TowerStep`), reduced on the parameter device."""
 
-    name = "tower"
-
-    @staticmethod
-    def auto_all_reduce(whole_gpus: bool) -> str:
-        return "parameter_device"
+    rules = MODE_RULES["tower"]
 
     def _placement(self) -> Placement:
         if self.config.ps_device == "spread":
@@ -172,7 +162,8 @@ class _StrategyMode(Mode):
         from tower_train.strategy_mode import StrategyStep
 
         config = self.config
-        return StrategyStep(self.strategy, state.update_rule(config.clip_norm), config.accum,
+        return StrategyStep(strategy=self.strategy, rule=state.update_rule(config.clip_norm),
+                            accum=config.accum,
                             first_replica=self.worker.index * len(self.plan.tower_devices),
                             jit_compile=config.jit_compile)
 
@@ -180,11 +171,7 @@ class _StrategyMode(Mode):
 class MirroredMode(_StrategyMode):
     """`tf.distribute.MirroredStrategy` over the same tower devices."""
 
-    name = "mirrored"
-
-    @staticmethod
-    def auto_all_reduce(whole_gpus: bool) -> str:
-        return "nccl" if whole_gpus else "one_device"
+    rules = MODE_RULES["mirrored"]
 
     def _make_strategy(self):
         import tensorflow as tf
@@ -201,11 +188,7 @@ class CentralStorageMode(_StrategyMode):
     """`tf.distribute.experimental.CentralStorageStrategy`, TF's own variables-on-one-device
     strategy, over the same towers and parameter device."""
 
-    name = "central_storage"
-
-    @staticmethod
-    def auto_all_reduce(whole_gpus: bool) -> str:
-        return "parameter_device"
+    rules = MODE_RULES["central_storage"]
 
     def _make_strategy(self):
         import tensorflow as tf
@@ -218,11 +201,7 @@ class MultiWorkerMode(_StrategyMode):
     """`tf.distribute.MultiWorkerMirroredStrategy`, one process per worker, from TF_CONFIG or
     Slurm (`--cluster`)."""
 
-    name = "multi_worker"
-
-    @staticmethod
-    def auto_all_reduce(whole_gpus: bool) -> str:
-        return "nccl" if whole_gpus else "ring"
+    rules = MODE_RULES["multi_worker"]
 
     def _make_strategy(self):
         import tensorflow as tf
@@ -238,11 +217,19 @@ class MultiWorkerMode(_StrategyMode):
                     implementation=implementation, timeout_seconds=self.config.collective_timeout))
 
 
-MODES: dict[str, type[Mode]] = {mode.name: mode for mode in (TowerMode, MirroredMode, CentralStorageMode,
-                                                             MultiWorkerMode)}
-assert MODES.keys() == MODE_RULES.keys(), "every --mode has its rules and its class"
+# Each --mode's class, by the name its rules give.
+MODES: dict[str, type[Mode]] = {mode.rules.name: mode for mode in (TowerMode, MirroredMode, CentralStorageMode,
+                                                                   MultiWorkerMode)}
 
 
-def build_mode(config: TrainConfig, plan: DevicePlan, worker: WorkerInfo = SINGLE_PROCESS) -> Mode:
-    """The mode `config.mode` names, its strategy created; call it before any other TF op runs."""
-    return MODES[config.mode](config, plan, worker)
+def build_mode(config: TrainConfig, plan: DevicePlan, worker: WorkerInfo = SINGLE_PROCESS,
+               all_reduce: str | None = None) -> Mode:
+    """The mode `config.mode` names, its strategy created; call it before any other TF op runs.
+
+    `all_reduce`: what `resolve_all_reduce` gave for `config` on `plan` (`api.prepare_devices`
+    resolves it while it checks the devices); None resolves it here, for a caller that builds
+    a mode other than the one it checked (compare.py, the benchmark).
+    """
+    if all_reduce is None:
+        all_reduce = resolve_all_reduce(config.mode, config.all_reduce, plan)
+    return MODES[config.mode](config=config, plan=plan, worker=worker, all_reduce=all_reduce)

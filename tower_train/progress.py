@@ -11,7 +11,7 @@ The first update of a process traces the step functions, so it is reported but
 not timed. TensorBoard gets loss, learning rate, examples/sec and, in float16,
 the loss scale every --log_every updates, whichever way progress is shown, and
 the held-out quantities under their history names (val_loss, ...) at each
-held-out evaluation, the final one included (trainer.py). A
+held-out evaluation, the final one included (`after_evaluation`). A
 summary that cannot be written (a full disk) turns them off with one warning and
 training goes on: the checkpoints, which a resume needs, report their own failures.
 
@@ -24,13 +24,14 @@ held-out evaluation that counted an example (evaluation.py).
 """
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 import tensorflow as tf
 from absl import logging
 
 from tower_train.checkpoints import write_failure
 from tower_train.config import TrainConfig
+from tower_train.hooks import Hook, UpdateEvent
 
 
 HISTORY_KEYS = ("step", "loss", "learning_rate", "val_step", "val_precision", "val_loss")
@@ -84,10 +85,11 @@ class Summaries:
                         "training goes on", self._directory, write_failure(error))
 
 
-class Progress:
-    """A Controller hook (see `tower_train.trainer.Hook`) that reports every applied update."""
+class Progress(Hook):
+    """A Controller hook (hooks.py) that reports every applied update and every held-out
+    evaluation, and records both in `history` (`new_history`)."""
 
-    def __init__(self, config: TrainConfig, global_batch: int, first_step: int,
+    def __init__(self, *, config: TrainConfig, global_batch: int, first_step: int,
                  summaries: Summaries, log: Callable[..., None], live: bool,
                  history: dict[str, list[float]]):
         self._log_every, self._max_steps = config.log_every, config.max_steps
@@ -103,8 +105,7 @@ class Progress:
             self._bar = tqdm(total=config.max_steps, initial=first_step, unit="update",
                              dynamic_ncols=True, leave=True)
 
-    def after_update(self, event) -> None:
-        """`event`: a `tower_train.trainer.UpdateEvent`."""
+    def after_update(self, event: UpdateEvent) -> None:
         first = not self._reported_first
         self._reported_first = True
         if not first:  # the first update of a process traces: not timed
@@ -128,11 +129,17 @@ class Progress:
         if due:
             self._timed_updates, self._timed_seconds = 0, 0.0
 
+    def after_evaluation(self, step: int, held_out: Mapping[str, float]) -> None:
+        self._history["val_step"].append(step)
+        for name, value in held_out.items():
+            self._history[name].append(value)
+        self._summaries.scalars(step, dict(held_out))
+
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
 
-    def _write_summaries(self, event, scale: float | None) -> None:
+    def _write_summaries(self, event: UpdateEvent, scale: float | None) -> None:
         values = {"loss": event.loss, "learning_rate": learning_rate(event.state.optimizer)}
         if scale is not None:
             values["loss_scale"] = scale

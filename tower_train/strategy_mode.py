@@ -65,6 +65,7 @@ class StrategyStep:
 
     def __init__(
         self,
+        *,
         strategy: tf.distribute.Strategy,
         rule: UpdateRule,
         accum: int,

@@ -15,7 +15,7 @@ import dataclasses
 import itertools
 import signal
 import time
-from typing import Callable, Iterator, Protocol, Sequence
+from typing import Callable, Iterator, Mapping, Sequence
 
 import keras
 import tensorflow as tf
@@ -27,8 +27,9 @@ from tower_train.cluster import PeerClock, WorkerInfo
 from tower_train.config import TrainConfig
 from tower_train.data import RUN_OP_ERRORS, Source
 from tower_train.errors import Stopped, TrainingError, UsageError, op_error_text, traced_message
-from tower_train.evaluation import Evaluation, check_metrics_against, evaluate
+from tower_train.evaluation import EvaluationHook, check_metrics_against, evaluate
 from tower_train.export import export_saved_model
+from tower_train.hooks import Hook, UpdateEvent
 from tower_train.inner_step import Batch, Decision, InnerStep, UpdateResult
 from tower_train.model_spec import ModelSpec, users_network
 from tower_train.modes import Mode
@@ -69,24 +70,6 @@ class TrainResult:
 # The outer loop
 
 
-@dataclasses.dataclass(frozen=True)
-class UpdateEvent:
-    """One applied update, as the hooks see it."""
-
-    step: int
-    loss: float
-    seconds: float  # wall time of the update; the first one of a process includes tracing
-    state: TrainState
-
-
-class Hook(Protocol):
-    """Called by the Controller after every applied update (`after_update`) and at the end."""
-
-    def after_update(self, event: UpdateEvent) -> None: ...
-
-    def close(self) -> None: ...
-
-
 class _InputFailed(Exception):
     """An op error raised while the input pipeline made the next micro-batch, not by the update."""
 
@@ -100,29 +83,30 @@ class Controller:
 
     Around each update it applies the policies: a refused update (total weight 0, a float16
     overflow, or a non-finite value under --nonfinite) and a stop signal at the update boundary.
-    It saves a checkpoint every `checkpoint_every` updates and at the end, and calls every hook
-    after each applied update. `any_worker` makes a stop decision collective (multi_worker);
-    `watchdog` hears of every micro-step, update and save, and of the first update of the
-    process as local work (it traces the step functions; TF's collective timeout still covers
-    its reduction). `describe_error` words an op error of an update (the source's
-    `describe_error`, which names a file). `callbacks`, the user's Keras callbacks, hear of
-    every update after the hooks, and may stop the run at its boundary, saved.
+    It saves a checkpoint every `checkpoint_every` updates and at the end, and tells every hook
+    of the run (hooks.py), in order: the held-out values one hook returns from `after_update`
+    reach every hook as `after_evaluation`. A hook of the user's code (`Hook.user_code`, the
+    Keras callbacks) may stop the run at an update boundary, saved. `any_worker` makes a stop
+    decision collective (multi_worker); `watchdog` hears of every micro-step, update and save,
+    and of the first update of the process as local work (it traces the step functions; TF's
+    collective timeout still covers its reduction). `describe_error` words an op error of an
+    update (the source's `describe_error`, which names a file).
     """
 
-    def __init__(self, config: TrainConfig, state: TrainState, inner: InnerStep,
+    def __init__(self, *, config: TrainConfig, state: TrainState, inner: InnerStep,
                  batches: Iterator[Batch], writer: checkpoints.CheckpointWriter,
                  hooks: Sequence[Hook], global_batch: int, log: Callable[..., None],
                  stop: StopSignals | None = None, any_worker: Callable[[bool], bool] = bool,
                  watchdog: PeerClock = PeerClock(),
-                 describe_error: Callable[[tf.errors.OpError], str] = op_error_text,
-                 callbacks: KerasCallbacks | None = None):
+                 describe_error: Callable[[tf.errors.OpError], str] = op_error_text):
         self.config, self.state, self.inner, self.batches = config, state, inner, batches
         self.writer, self.hooks, self.global_batch, self.log = writer, hooks, global_batch, log
         self.stop, self.any_worker, self.watchdog = stop, any_worker, watchdog
-        self.describe_error, self.callbacks = describe_error, callbacks
+        self.describe_error = describe_error
         self.skipped = self.skipped_in_a_row = 0  # updates refused for a non-finite value
         self.empty_in_a_row = 0  # updates refused for a total weight of 0
         self.last_checkpoint: str | None = writer.latest()
+        self.last_evaluated: int | None = None  # the update the hooks last heard an evaluation of
 
     def run(self) -> float | None:
         """Trains to max_steps; returns the loss of the last applied update (None if none was)."""
@@ -132,13 +116,9 @@ class Controller:
             self.log("step %d already reaches --max_steps=%d: nothing to train", step,
                      self.config.max_steps)
         tracing = True
-        if self.callbacks is not None:
-            self.inner.sync_state()
-            self.callbacks.train_begin()  # nothing trained yet: its error needs no save
-            self.inner.state_written()
+        self._tell("train_begin", saves=False)  # nothing trained yet: an error needs no save
         while step < self.config.max_steps:
-            if self.callbacks is not None:
-                self.call_callbacks(lambda: self.callbacks.update_begin(_value(self.state.step) + 1))
+            self._tell("update_begin", _value(self.state.step) + 1)
             start = time.perf_counter()
             try:
                 with self.watchdog.local_work() if tracing else contextlib.nullcontext():
@@ -172,33 +152,52 @@ class Controller:
                     "the optimizer overflowed); stopping without saving them; the last good "
                     f"checkpoint is {self.last_checkpoint or 'none'}")
             self._stop_if_asked(step)
-            event = UpdateEvent(step, loss, seconds, self.state)
-            for hook in self.hooks:
-                hook.after_update(event)
-            if self.callbacks is not None:
-                self.call_callbacks(lambda: self.callbacks.after_update(event))
+            held_out = [values for values in self._tell("after_update", UpdateEvent(
+                step, loss, seconds, self.state)) if values]
+            for values in held_out:
+                self.evaluated(step, values)
             if step % self.config.checkpoint_every == 0 or step == self.config.max_steps:
                 self._save(step)
-            if self.callbacks is not None and self.any_worker(self.callbacks.stop_asked):
+            users = [hook for hook in self.hooks if hook.user_code]
+            asked = [who for who in (hook.stop_asked() for hook in users) if who]
+            if users and self.any_worker(bool(asked)):
                 self._save_boundary(step)
                 self.log("%s set model.stop_training: stopped after update %d, saved %s",
-                         self.callbacks.stopped_by or "a peer's callback", step,
-                         self.last_checkpoint)
+                         asked[0] if asked else "a peer's callback", step, self.last_checkpoint)
                 break
         return loss
 
-    def call_callbacks(self, call: Callable[[], None]) -> None:
-        """`call()`, which calls the user's callbacks, on the current state, which they may read
-        and write; their error (a UserCodeError) saves the training done up to this update
-        boundary first, and says where."""
-        self.inner.sync_state()
-        try:
-            call()
+    def evaluated(self, step: int, held_out: Mapping[str, float]) -> None:
+        """Tells the hooks of a held-out evaluation after update `step` (its values by name)."""
+        self.last_evaluated = step
+        self._tell("after_evaluation", step, held_out)
+
+    def end(self) -> None:
+        """Tells the hooks that training ended, after its final evaluation."""
+        self._tell("train_end")
+
+    def _tell(self, method: str, *args, saves: bool = True) -> list:
+        """`method(*args)` of every hook, in order; what each returns. A hook of the user's code
+        is called on the current state, which it may read and write; its error (a
+        UserCodeError) first saves the training done up to this update boundary (`saves`) and
+        says where."""
+        results = []
+        for hook in self.hooks:
+            call = getattr(hook, method)
+            if not hook.user_code:
+                results.append(call(*args))
+                continue
+            self.inner.sync_state()
+            try:
+                results.append(call(*args))
+            except UserCodeError as e:
+                if not saves:
+                    raise
+                self._save_boundary(_value(self.state.step))
+                saved = self.last_checkpoint or "no checkpoint"
+                raise UserCodeError(f"{e}; training is saved in {saved}") from e.__cause__
             self.inner.state_written()
-        except UserCodeError as e:
-            self._save_boundary(_value(self.state.step))
-            saved = self.last_checkpoint or "no checkpoint"
-            raise UserCodeError(f"{e}; training is saved in {saved}") from e.__cause__
+        return results
 
     def _noted(self, update: int, start: float) -> Iterator[Batch]:
         """The micro-batches, with a log line every LONG_UPDATE_NOTE seconds of an update that
@@ -274,51 +273,6 @@ class Controller:
         self.log("%s; skipped (%d in a row, %d in all)", what, self.skipped_in_a_row, self.skipped)
 
 
-class EvaluationHook:
-    """Held-out precision, loss and metrics every `every` updates (not at the last: training
-    evaluates then)."""
-
-    def __init__(self, source: Source, batch_size: int, devices: Sequence[str], every: int,
-                 max_steps: int, summaries: Summaries, log: Callable[..., None],
-                 watchdog: PeerClock, history: dict[str, list[float]],
-                 metrics: Sequence[keras.metrics.Metric] = (), sync_state: Callable[[], None] = lambda: None):
-        """`sync_state`: makes the state's variables current before an evaluation reads them
-        (`InnerStep.sync_state`)."""
-        self.source, self.batch_size, self.devices = source, batch_size, devices
-        self.sync_state = sync_state
-        self.every, self.max_steps, self.summaries, self.log = every, max_steps, summaries, log
-        self.watchdog = watchdog  # an evaluation is local work: no peer wait to time
-        self.history, self.metrics = history, metrics
-
-    def after_update(self, event: UpdateEvent) -> None:
-        if event.step % self.every or event.step == self.max_steps:
-            return
-        started = time.perf_counter()
-        self.sync_state()
-        with self.watchdog.local_work():
-            evaluation = evaluate(event.state.model, self.source, self.batch_size, self.devices,
-                                  self.metrics)
-        if evaluation.loss is None:
-            return
-        record_evaluation(self.history, event.step, evaluation)
-        self.summaries.scalars(event.step, evaluation.scalars())
-        self.log("step %d, held-out %s (%d examples, %.2f s)", event.step, evaluation.describe(),
-                 evaluation.examples, time.perf_counter() - started)
-
-    def close(self) -> None:
-        pass
-
-
-def record_evaluation(history: dict[str, list[float]], step: int, evaluation: Evaluation) -> None:
-    """Appends an evaluation that counted some weight to `history` (progress.new_history)."""
-    history["val_step"].append(step)
-    if evaluation.precision is not None:  # None for targets, whose history has no val_precision
-        history["val_precision"].append(evaluation.precision)
-    history["val_loss"].append(evaluation.loss)
-    for name, value in evaluation.metrics.items():
-        history[f"val_{name}"].append(value)
-
-
 # --------------------------------------------------------------------------------------------------
 
 
@@ -366,12 +320,14 @@ def _train(config: TrainConfig, spec: ModelSpec, source: Source, mode: Mode, wat
     log("%s", run.describe_layout())
     summaries = Summaries(config.train_dir if worker.is_chief else None)
     history = new_history([metric.name for metric in metrics], source.num_classes is not None)
-    hooks: list[Hook] = [Progress(config, global_batch, _value(state.step), summaries, log,
-                                  live_progress and worker.is_chief, history)]
+    hooks: list[Hook] = [Progress(config=config, global_batch=global_batch,
+                                  first_step=_value(state.step), summaries=summaries, log=log,
+                                  live=live_progress and worker.is_chief, history=history)]
     if config.eval_every:
-        hooks.append(EvaluationHook(source, config.eval_batch_size, plan.tower_devices,
-                                    config.eval_every, config.max_steps, summaries, log, watchdog,
-                                    history, metrics, run.inner.sync_state))
+        hooks.append(EvaluationHook(source=source, batch_size=config.eval_batch_size,
+                                    devices=plan.tower_devices, every=config.eval_every,
+                                    max_steps=config.max_steps, log=log, watchdog=watchdog,
+                                    metrics=metrics, sync_state=run.inner.sync_state))
     keras_callbacks = None
     if callbacks:
         network = users_network(state.model)
@@ -379,9 +335,12 @@ def _train(config: TrainConfig, spec: ModelSpec, source: Source, mode: Mode, wat
         # read model.optimizer, which only compile() sets: the run's, set untracked, so that the
         # checkpoint's object graph stays the same.
         object.__setattr__(network, "optimizer", state.optimizer)
-        keras_callbacks = KerasCallbacks(callbacks, network, history)
-    controller = Controller(config, state, run.inner, batches, writer, hooks, global_batch, log, stop,
-                            mode.any_worker, watchdog, source.describe_error, keras_callbacks)
+        keras_callbacks = KerasCallbacks(callbacks=callbacks, model=network)
+        hooks.append(keras_callbacks)
+    controller = Controller(config=config, state=state, inner=run.inner, batches=batches,
+                            writer=writer, hooks=hooks, global_batch=global_batch, log=log,
+                            stop=stop, any_worker=mode.any_worker, watchdog=watchdog,
+                            describe_error=source.describe_error)
     if stop is not None:
         stop.listen(config.stop_grace_period, config.train_dir)
     try:  # the summaries stay open for the final held-out evaluation
@@ -412,15 +371,12 @@ def _train(config: TrainConfig, spec: ModelSpec, source: Source, mode: Mode, wat
                 log("exported in %.2f s", time.perf_counter() - started)
         step = _value(state.step)
         # A callback can stop the run right after the hook evaluated.
-        if evaluation.loss is not None and history["val_step"][-1:] != [step]:
-            record_evaluation(history, step, evaluation)
-            summaries.scalars(step, evaluation.scalars())
+        if evaluation.loss is not None and controller.last_evaluated != step:
+            controller.evaluated(step, evaluation.scalars())
     finally:
         summaries.close()
-    weights_written_by = None
-    if keras_callbacks is not None:
-        controller.call_callbacks(keras_callbacks.train_end)
-        weights_written_by = keras_callbacks.weights_written_by
+    controller.end()
+    weights_written_by = keras_callbacks.weights_written_by if keras_callbacks else None
     if weights_written_by:  # the result's evaluation is of the weights the result hands back
         with watchdog.local_work():
             evaluation = evaluate(state.model, source, config.eval_batch_size, plan.tower_devices,
