@@ -18,11 +18,11 @@ import pytest
 import tensorflow as tf
 
 from tower_train import checkpoints, run_dir, trainer
-from tower_train.cluster import PeerClock
 from tower_train.config import TrainConfig
 from tower_train.errors import Stopped, TrainingError
 from tower_train.inner_step import Decision, UpdateResult
 from tower_train.models import TowerModel
+from tower_train.peer_watchdog import PeerClock
 from tower_train.run import TrainState
 from tower_train.schedules import MovingAverage
 from tower_train.stop_signals import StopSignals

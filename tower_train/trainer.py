@@ -23,7 +23,7 @@ from absl import logging
 
 from tower_train import checkpoints, run_dir
 from tower_train.callbacks import KerasCallbacks
-from tower_train.cluster import PeerClock, WorkerInfo
+from tower_train.cluster import WorkerInfo
 from tower_train.config import TrainConfig
 from tower_train.data import RUN_OP_ERRORS, Source
 from tower_train.errors import Stopped, TrainingError, UsageError, op_error_text, traced_message
@@ -33,6 +33,7 @@ from tower_train.inner_step import Batch, Decision, InnerStep, UpdateResult
 from tower_train.model_spec import ModelSpec, users_network
 from tower_train.modes import Mode
 from tower_train.numerics import run_numerics, tf32_note
+from tower_train.peer_watchdog import PeerClock
 from tower_train.progress import Progress, Summaries, new_history
 from tower_train.run import Run, TrainState
 from tower_train.stop_signals import StopSignals
