@@ -125,7 +125,7 @@ def array_source(data: object, eval_data: object, shuffle: bool | None,
     Raises:
       UsageError: eval_data or shuffle without arrays, or arrays that do not fit together.
     """
-    from tower_train.data import ArraySource
+    from tower_train.array_source import ArraySource
 
     if not isinstance(data, tuple):
         given = "None (a --dataset)" if data is None else type(data).__name__
