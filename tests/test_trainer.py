@@ -156,7 +156,7 @@ class Run:
         self.state = tiny_state(fp16)
         self.writer = checkpoints.CheckpointWriter(
             self.state.checkpoint(), self.train_dir,
-            run_dir.run_record("tiny", None, "none", 0, "momentum", self.config.global_batch, True))
+            run_dir.RunRecord("tiny", None, "none", 0, "momentum", self.config.global_batch, True))
         assert self.writer.restore(self.state.all_finite) is None  # a fresh train_dir
         self.clock = RecordingClock()
         self.inner = ScriptedStep(self.state, self.config.accum, script, self.clock, during)

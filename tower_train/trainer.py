@@ -349,8 +349,8 @@ def _train(config: TrainConfig, spec: ModelSpec, source: Source, mode: Mode, wat
     log = _worker_logger(worker)
     global_batch = config.global_batch * worker.count
     optimizer = config.optimizer if spec.optimizer is None else type(spec.optimizer).__name__
-    record = run_dir.run_record(spec.name, config.model_module, source.name, config.seed,
-                                optimizer, global_batch, config.ema_decay > 0)
+    record = run_dir.RunRecord(spec.name, config.model_module, source.name, config.seed,
+                               optimizer, global_batch, config.ema_decay > 0)
     checkpoints.check_same_run(config.train_dir, record)
     with watchdog.local_work():  # building and restoring: TF's collective timeout covers their waits
         run = Run.create(spec, source, mode)
