@@ -1,6 +1,7 @@
 """checkpoints.py in this process, on tiny tf.train.Checkpoints: checkpoints found from their files
 whatever the index says, nothing written over, another configuration refused, partial saves
-removed, and the run record's copy inside every checkpoint."""
+removed, and the run record's copy inside every checkpoint (compared by `RunRecord.check`)."""
+import dataclasses
 import hashlib
 import json
 import os
@@ -10,10 +11,10 @@ import pytest
 import tensorflow as tf
 
 from tower_train import checkpoints, run_dir
-from tower_train.config import RUN_FILE
 from tower_train.errors import TrainingError, UsageError
+from tower_train.run_dir import RUN_FILE
 
-RECORD = run_dir.run_record("mlp", None, "synthetic", 0, "momentum", 16, True)
+RECORD = run_dir.RunRecord("mlp", None, "synthetic", 0, "momentum", 16, True)
 
 
 def state(shape=(2,), loss_scale=False) -> tf.train.Checkpoint:
@@ -133,19 +134,19 @@ def test_a_partial_save_is_removed_at_the_next_start(tmp_path):
 def test_every_checkpoint_holds_a_copy_of_the_run_record_that_stands_in_for_a_lost_one(tmp_path, caplog):
     train(tmp_path, 2)
     assert json.loads(tf.train.load_variable(str(tmp_path / "ckpt-2"),
-                                             "run_record/.ATTRIBUTES/VARIABLE_VALUE")) == RECORD
+                                             "run_record/.ATTRIBUTES/VARIABLE_VALUE")) == RECORD.as_dict()
     (tmp_path / RUN_FILE).unlink()
 
     checkpoints.check_same_run(str(tmp_path), RECORD)  # the same run: resumes
     assert f"comparing this run with the copy in {tmp_path}/ckpt-2" in caplog.text
     with pytest.raises(UsageError) as refused:
-        checkpoints.check_same_run(str(tmp_path), {**RECORD, "seed": 3, "dataset": "cifar10"})
+        checkpoints.check_same_run(str(tmp_path), dataclasses.replace(RECORD, seed=3, dataset="cifar10"))
     assert str(refused.value).startswith(
         f"--train_dir={tmp_path} holds another run (says the copy of {RUN_FILE} in {tmp_path}/ckpt-2, "
         "as the file itself is missing): dataset 'synthetic' there, 'cifar10' here; seed 0 there, 3 here")
 
     train(tmp_path, 3)  # resumed: the record is written again
-    assert json.loads((tmp_path / RUN_FILE).read_text()) == RECORD
+    assert json.loads((tmp_path / RUN_FILE).read_text()) == RECORD.as_dict()
 
 
 def test_checkpoints_without_any_record_or_a_record_without_checkpoints_are_refused(tmp_path):
@@ -156,27 +157,16 @@ def test_checkpoints_without_any_record_or_a_record_without_checkpoints_are_refu
         checkpoints.check_same_run(str(tmp_path), RECORD)
     for name in os.listdir(tmp_path):
         os.remove(tmp_path / name)
-    (tmp_path / RUN_FILE).write_text(json.dumps(RECORD))
+    (tmp_path / RUN_FILE).write_text(json.dumps(RECORD.as_dict()))
     with pytest.raises(UsageError, match=f"holds {RUN_FILE} but no checkpoint"):
         checkpoints.check_same_run(str(tmp_path), RECORD)
-
-
-@pytest.mark.parametrize("index", ["deleted", "emptied"])
-def test_evaluation_finds_the_newest_checkpoint_from_the_files(tmp_path, index):
-    train(tmp_path, 3)
-    if index == "deleted":
-        (tmp_path / "checkpoint").unlink()
-    else:
-        (tmp_path / "checkpoint").write_text("")
-    checkpoints.check_named_checkpoint(None, str(tmp_path), "mlp")
-    assert checkpoints.find_checkpoint(None, str(tmp_path)).path == str(tmp_path / "ckpt-3")
 
 
 def test_checkpoints_of_earlier_versions_without_a_copy_still_resume(tmp_path):
     earlier = state()
     earlier.model.w.assign([7, 7])
     tf.train.CheckpointManager(earlier, str(tmp_path), 5).save(checkpoint_number=1)  # as they saved
-    (tmp_path / RUN_FILE).write_text(json.dumps(RECORD))
+    (tmp_path / RUN_FILE).write_text(json.dumps(RECORD.as_dict()))
     checkpoints.check_same_run(str(tmp_path), RECORD)
 
     resumed = state()
@@ -185,7 +175,7 @@ def test_checkpoints_of_earlier_versions_without_a_copy_still_resume(tmp_path):
     np.testing.assert_array_equal(resumed.model.w.numpy(), [7, 7])
     writer.save(2)
     assert json.loads(tf.train.load_variable(str(tmp_path / "ckpt-2"),
-                                             "run_record/.ATTRIBUTES/VARIABLE_VALUE")) == RECORD
+                                             "run_record/.ATTRIBUTES/VARIABLE_VALUE")) == RECORD.as_dict()
 
 
 NO_SPACE = "No space left on device"
@@ -249,10 +239,10 @@ def test_a_save_that_fails_at_any_point_leaves_no_file_of_it_and_the_same_run_go
 def test_a_run_record_that_cannot_be_written_after_a_whole_checkpoint_keeps_the_checkpoint(tmp_path, monkeypatch):
     writer = train(tmp_path, 0)
 
-    def no_room(train_dir, record):
+    def no_room(record, train_dir):
         raise OSError(28, NO_SPACE)
 
-    monkeypatch.setattr(checkpoints, "write_run_record", no_room)
+    monkeypatch.setattr(run_dir.RunRecord, "write", no_room)
     with pytest.raises(TrainingError) as error:
         writer.save(1)
     assert str(error.value) == (f"cannot write {RUN_FILE} in --train_dir={tmp_path} ({NO_SPACE}); {tmp_path}/ckpt-1 "

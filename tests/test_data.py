@@ -1,5 +1,5 @@
 """Tests of tower_train.data and tower_train.image_data: the stream contract, preprocessing,
-the ArraySource checks, the CIFAR-10 reader and the synthetic set."""
+the ArraySource checks beside the image sets', the CIFAR-10 reader and the synthetic set."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import pytest
 import tensorflow as tf
 
 from tower_train import data, datasets, image_data
+from tower_train.array_source import ArraySource
 from tower_train.errors import UsageError
 
 RECORD = 3073
@@ -214,25 +215,8 @@ def test_image_sources_and_array_sources_reject_malformed_arrays():
                          eval_labels=labels, **{})
         arguments.update(change)
         with pytest.raises(data.DataError) as excinfo:
-            data.ArraySource(**arguments)
+            ArraySource(**arguments)
         assert message in str(excinfo.value) and "\n" not in str(excinfo.value), (change, excinfo.value)
-
-
-def test_array_source_hands_any_shape_over_as_it_is_and_counts_classes():
-    tokens = np.arange(6 * 5, dtype=np.int64).reshape(6, 5) % 7  # 6 sequences of 5 token ids
-    targets = tokens * 2  # 0..12
-    weights = np.ones((6, 5), np.float32)
-    weights[:, 3:] = 0  # padding
-    source = data.ArraySource(tokens, targets, weights, shuffle=False)
-    assert source.num_classes == 13 and source.feature_spec.shape == (5,)
-    assert source.feature_spec.dtype == np.int64 and source.label_spec.shape == (5,)
-    x, y, w = next(iter(source.train_stream(seed=0, start_position=4, micro_batch=4)))
-    # shuffle=False: position p is example p mod n, untouched.
-    np.testing.assert_array_equal(x.numpy(), tokens[[4, 5, 0, 1]])
-    np.testing.assert_array_equal(y.numpy(), targets[[4, 5, 0, 1]])
-    np.testing.assert_array_equal(w.numpy(), weights[[4, 5, 0, 1]])
-    assert data.ArraySource(tokens, targets, num_classes=100).num_classes == 100
-    assert list(source.eval_batches(4)) == []  # no held-out set: nothing to count
 
 
 def test_preprocess_gets_each_examples_seed_and_whether_it_trains():
@@ -243,7 +227,7 @@ def test_preprocess_gets_each_examples_seed_and_whether_it_trains():
         return tf.cast(features, tf.float32) + tf.cast(seeds[:, 1:2], tf.float32) * 1000
 
     features = np.arange(8, dtype=np.int32).reshape(8, 1)
-    source = data.ArraySource(features, np.zeros(8, np.int32), shuffle=False, preprocess=preprocess,
+    source = ArraySource(features, np.zeros(8, np.int32), shuffle=False, preprocess=preprocess,
                               eval_features=features, eval_labels=np.zeros(8, np.int32))
     x, _, _ = next(iter(source.train_stream(seed=5, start_position=10, micro_batch=3)))
     # stream positions 10, 11, 12 are examples 2, 3, 4; the seed's second word is the position.
@@ -392,7 +376,7 @@ def test_error_messages_stay_on_one_line_for_odd_paths(tmp_path):
 # The synthetic data set
 
 
-def nearest_class_mean_accuracy(source: data.ArraySource) -> float:
+def nearest_class_mean_accuracy(source: ArraySource) -> float:
     def features(images):
         x = images.reshape(len(images), -1).astype(np.float32)
         x -= x.mean(axis=1, keepdims=True)
@@ -432,24 +416,3 @@ def test_synthetic_data_set():
 
     accuracy = nearest_class_mean_accuracy(source)
     assert 0.3 < accuracy < 0.95, accuracy
-
-
-def test_array_source_takes_several_inputs_and_targets():
-    """A dict or list of arrays is several inputs (a list kept as a tuple: tf.data would stack
-    it), a list of numbers one array; float labels are targets: no classes, one weight per
-    example."""
-    features = {"a": np.arange(12, dtype=np.float32).reshape(6, 2), "b": np.arange(6)}
-    targets = np.eye(3, dtype=np.float32)[[0, 1, 2, 0, 1, 2]]
-    source = data.ArraySource(features, targets, shuffle=False)
-    assert source.num_classes is None and source.weight_shape == [] and source.train_size == 6
-    x, y, w = next(iter(source.train_stream(seed=0, start_position=4, micro_batch=4)))
-    np.testing.assert_array_equal(x["a"].numpy(), features["a"][[4, 5, 0, 1]])
-    np.testing.assert_array_equal(x["b"].numpy(), features["b"][[4, 5, 0, 1]])
-    np.testing.assert_array_equal(y.numpy(), targets[[4, 5, 0, 1]])
-    np.testing.assert_array_equal(w.numpy(), np.ones(4))
-    listed = data.ArraySource([features["a"], features["b"]], np.arange(6) % 2)
-    assert isinstance(listed.train_features, tuple) and listed.num_classes == 2
-    assert data.ArraySource([[1.0, 2.0]] * 4, [0, 1, 0, 1]).feature_spec.shape == [2]
-    with pytest.raises(data.DataError, match=r"train_features\['a'\] \[6\] and "
-                                             r"train_features\['b'\] \[5\] and train_labels \[6\]"):
-        data.ArraySource({"a": np.zeros(6), "b": np.zeros(5)}, np.zeros(6, np.int64))

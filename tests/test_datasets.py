@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from tower_train import data, datasets
+from tower_train.array_source import ArraySource
 from tower_train.errors import UsageError
 
 PACKAGE = pathlib.Path(datasets.__file__).parent
@@ -32,7 +33,7 @@ def test_an_unknown_name_lists_the_known_ones():
 def test_registered_data_sets_are_loaded_by_name_and_checked():
     @data.register("test_data_tiny")
     def tiny():
-        return data.ArraySource(np.zeros((4, 2)), np.arange(4), name="tiny")
+        return ArraySource(np.zeros((4, 2)), np.arange(4), name="tiny")
 
     @data.register("test_data_broken")
     def broken():

@@ -440,25 +440,25 @@ def test_bad_input_is_one_line_and_writes_nothing(runs, name, expected):
 
 def test_a_damaged_data_file_or_another_network_is_refused_in_one_line(runs):
     """The checks after the cheap ones, called in this process."""
-    from tower_train import checkpoints
+    from tower_train import eval_checkpoint
 
     train_dir, _ = runs
     copy = train_dir.parent / "damaged"
     copy.mkdir()
     for f in ("ckpt-2.index", "ckpt-2.data-00000-of-00001"):
         shutil.copy(train_dir / f, copy / f)
-    info = checkpoints.find_checkpoint(str(copy / "ckpt-2"), "/unused")
+    info = eval_checkpoint.find_checkpoint(str(copy / "ckpt-2"), "/unused")
     assert info.has_moving_average
     # cifar10_cnn has none of the linear model's names: the restore's own match refuses it.
     with pytest.raises(UsageError, match="does not hold the weights of --model=cifar10_cnn"):
         with tf.device("/cpu:0"):
             cnn = models.model_class("cifar10_cnn")(num_classes=10)
             cnn(tf.zeros([1, 24, 24, 3]))
-        checkpoints.restore_for_evaluation(info, {"model": cnn}, "cifar10_cnn")
+        eval_checkpoint.restore_for_evaluation(info, {"model": cnn}, "cifar10_cnn")
     with open(copy / "ckpt-2.data-00000-of-00001", "r+b") as f:
         f.truncate(1000)
     with pytest.raises(UsageError, match=f"--checkpoint={copy / 'ckpt-2'}: checkpoint .* is unreadable"):
-        checkpoints.find_checkpoint(str(copy / "ckpt-2"), "/unused")
+        eval_checkpoint.find_checkpoint(str(copy / "ckpt-2"), "/unused")
 
 
 def small_keras_classifier():

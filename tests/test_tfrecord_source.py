@@ -1,10 +1,9 @@
 """Tests of tower_train.tfrecord_source: the stream contract of a TFRecordSource (purity, resuming,
-shuffling, sharding), its held-out batches, its checks (of its files too: truncated, of another kind,
-damaged while training runs), and write_examples."""
+shuffling, sharding), its held-out batches, and its checks (of its files too: truncated, of another
+kind, damaged while training runs, as the user meets them)."""
 
 from __future__ import annotations
 
-import gzip
 import os
 import re
 import subprocess
@@ -340,28 +339,6 @@ def test_padded_sequences_get_zero_weight_on_padding(tmp_path):
     assert train_features.shape == (5, length) and train_weights.shape == (5, length)
 
 
-def test_write_examples_round_trip(tmp_path):
-    path = str(tmp_path / "kinds.tfrecord.gz")
-    images = np.arange(2 * 4 * 4 * 3, dtype=np.uint8).reshape(2, 4, 4, 3)
-    count = write_examples(path, {"image": images, "value": np.array([0.5, -2.0]),
-                                  "flag": np.array([True, False]), "name": np.array([b"a", b"bc"])},
-                           compression="GZIP")
-    assert count == 2
-    with open(path, "rb") as f:
-        assert gzip.decompress(f.read())  # really compressed
-    spec = {"image": tf.io.FixedLenFeature([4, 4, 3], tf.int64),
-            "value": tf.io.FixedLenFeature([], tf.float32), "flag": tf.io.FixedLenFeature([], tf.int64),
-            "name": tf.io.FixedLenFeature([], tf.string)}
-    records = list(tf.data.TFRecordDataset(path, compression_type="GZIP"))
-    parsed = [tf.io.parse_single_example(r, spec) for r in records]
-    np.testing.assert_array_equal(np.stack([p["image"].numpy() for p in parsed]), images)
-    assert [float(p["value"]) for p in parsed] == [0.5, -2.0]
-    assert [int(p["flag"]) for p in parsed] == [1, 0]
-    assert [p["name"].numpy() for p in parsed] == [b"a", b"bc"]
-    with pytest.raises(ValueError, match="different numbers of rows"):
-        write_examples(str(tmp_path / "bad.tfrecord"), {"a": np.zeros(2), "b": np.zeros(3)})
-
-
 def test_compressed_files_stream(tmp_path):
     path = str(tmp_path / "z.tfrecord")
     write_examples(path, rows(np.arange(12)), compression="ZLIB")
@@ -412,15 +389,6 @@ def test_training_on_streamed_files_resumes_bit_exactly(files, tmp_path):
     assert straight["examples_seen/.ATTRIBUTES/VARIABLE_VALUE"] == 5 * 24 > N_TRAIN * 3  # epochs 1-4
     for name in names:
         np.testing.assert_array_equal(resumed[name], straight[name], err_msg=name)
-
-
-def test_binary_rows_keep_their_trailing_zero_bytes(tmp_path):
-    path = str(tmp_path / "nested" / "binary.tfrecord")  # the directory is made
-    rows = [b"ab\x00\x00", b"\x00", bytes(range(5)) + b"\x00"]
-    assert write_examples(path, {"raw": rows, "label": np.arange(3)}) == 3
-    spec = {"raw": tf.io.FixedLenFeature([], tf.string), "label": tf.io.FixedLenFeature([], tf.int64)}
-    read = [tf.io.parse_single_example(r, spec)["raw"].numpy() for r in tf.data.TFRecordDataset(path)]
-    assert read == rows
 
 
 # --------------------------------------------------------------------------------------------------

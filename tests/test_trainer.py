@@ -18,12 +18,12 @@ import pytest
 import tensorflow as tf
 
 from tower_train import checkpoints, run_dir, trainer
-from tower_train.cluster import PeerClock
 from tower_train.config import TrainConfig
 from tower_train.errors import Stopped, TrainingError
 from tower_train.hooks import Hook, UpdateEvent
 from tower_train.inner_step import Decision, UpdateResult
 from tower_train.models import TowerModel
+from tower_train.peer_watchdog import PeerClock
 from tower_train.run import TrainState
 from tower_train.schedules import MovingAverage
 from tower_train.stop_signals import StopSignals
@@ -171,7 +171,7 @@ class Run:
         self.state = tiny_state(fp16)
         self.writer = checkpoints.CheckpointWriter(
             self.state.checkpoint(), self.train_dir,
-            run_dir.run_record("tiny", None, "none", 0, "momentum", self.config.global_batch, True))
+            run_dir.RunRecord("tiny", None, "none", 0, "momentum", self.config.global_batch, True))
         assert self.writer.restore(self.state.all_finite) is None  # a fresh train_dir
         self.clock = RecordingClock()
         self.inner = ScriptedStep(self.state, self.config.accum, script, self.clock, during)

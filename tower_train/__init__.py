@@ -13,7 +13,7 @@ _LAZY = {
     "fit": "tower_train.api",
     "create_devices": "tower_train.api",
     "evaluate_checkpoint": "tower_train.eval",
-    "ArraySource": "tower_train.data",
+    "ArraySource": "tower_train.array_source",
     "Source": "tower_train.data",
     "DatasetSource": "tower_train.dataset_source",
     "TFRecordSource": "tower_train.tfrecord_source",

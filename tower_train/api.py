@@ -23,7 +23,7 @@ import logging
 import sys
 from typing import Iterator
 
-from tower_train import cluster
+from tower_train import cluster, peer_watchdog
 from tower_train.config import TrainConfig, check_directories
 from tower_train.errors import TrainingError, UsageError
 
@@ -131,7 +131,7 @@ def array_source(data: object, eval_data: object, shuffle: bool | None,
     Raises:
       UsageError: eval_data or shuffle without arrays, or arrays that do not fit together.
     """
-    from tower_train.data import ArraySource
+    from tower_train.array_source import ArraySource
 
     if not isinstance(data, tuple):
         given = "None (a --dataset)" if data is None else type(data).__name__
@@ -222,7 +222,7 @@ def check_input_memory(config: TrainConfig, source, towers: int) -> None:
 def fit(model: object = None, data: object = None, *, num_classes: int | None = None,
         loss: object = None, eval_data: tuple | None = None, shuffle: bool | None = None,
         callbacks: list | None = None, metrics: list | None = None, stop=None,
-        watchdog: cluster.PeerClock | None = None, show_progress: bool = True, **options):
+        watchdog: peer_watchdog.PeerClock | None = None, show_progress: bool = True, **options):
     """Trains `model` on `data` until --max_steps updates, resuming from train_dir.
 
     Args:
@@ -279,7 +279,7 @@ def fit(model: object = None, data: object = None, *, num_classes: int | None = 
 
         metrics = check_metrics(metrics)
     check_directories(config)
-    if isinstance(watchdog, cluster.PeerWatchdog):  # the CLI's: it read TF_CONFIG or Slurm's already
+    if isinstance(watchdog, peer_watchdog.PeerWatchdog):  # the CLI's: it read TF_CONFIG or Slurm's already
         worker = watchdog.worker
     elif config.mode_rules.workers:
         worker = cluster.this_worker(config.cluster)
@@ -297,7 +297,7 @@ def fit(model: object = None, data: object = None, *, num_classes: int | None = 
     shown = log_shown() if show_progress else contextlib.nullcontext()
     with TrainDirLock(config.train_dir) if worker.is_chief else contextlib.nullcontext(), shown:
         return _fit(config, worker, model, loss, optimizer, data, num_classes, callbacks or [],
-                    metrics or [], stop, watchdog or cluster.PeerClock(),
+                    metrics or [], stop, watchdog or peer_watchdog.PeerClock(),
                     show_progress and sys.stderr.isatty())
 
 
@@ -324,7 +324,7 @@ def log_shown() -> Iterator[None]:
 
 
 def _fit(config: TrainConfig, worker, model, loss, optimizer, data, num_classes, callbacks,
-         metrics, stop, watchdog: cluster.PeerClock, live_progress: bool):
+         metrics, stop, watchdog: peer_watchdog.PeerClock, live_progress: bool):
     """`fit` once the inputs are checked and the train_dir is this run's."""
     plan, all_reduce = _devices_and_reduction(config)
 
@@ -353,4 +353,4 @@ def _fit(config: TrainConfig, worker, model, loss, optimizer, data, num_classes,
         if worker.count == 1:
             raise
         raise TrainingError(f"[{worker.name}] a collective failed ({type(e).__name__}): "
-                            f"{cluster.peer_trouble(worker)}") from None
+                            f"{peer_watchdog.peer_trouble(worker)}") from None

@@ -1,31 +1,27 @@
-"""The checkpoints of a train_dir, shared by training and evaluation.
+"""The checkpoints of a train_dir, as training writes and restores them.
 
-A train_dir holds the checkpoints of ONE run: its run record (`run_dir`) says
-which, and every checkpoint holds a copy of it. Training refuses a train_dir whose record differs;
-evaluation refuses a checkpoint of another model. Restoring takes the newest
+A train_dir holds the checkpoints of ONE run: its run record (`run_dir.RunRecord`) says
+which, and every checkpoint holds a copy of it. Training refuses a train_dir whose record differs.
+Restoring takes the newest
 checkpoint that reads back whole, found from the checkpoint files themselves: the
 index file `checkpoint` may be lost or damaged without losing a checkpoint, and no
-checkpoint file is ever overwritten.
+checkpoint file is ever overwritten. Evaluation finds and restores its checkpoint with
+`eval_checkpoint`, from the same files.
 """
 from __future__ import annotations
 
-import dataclasses
-import glob
 import json
 import os
 import re
 import shutil
 import time
-import types
 from typing import Callable
 
 import tensorflow as tf
 from absl import logging
 
-from tower_train.config import RUN_FILE
 from tower_train.errors import TrainingError, UsageError, first_line
-from tower_train.run_dir import (fresh_directory, read_run_record, record_differences, write_run_record,
-                                 write_whole)
+from tower_train.run_dir import RUN_FILE, RunRecord, fresh_directory, write_whole
 
 CHECKPOINTS_KEPT = 5  # enough to fall back past a bad one, small enough to ignore
 _STATE_FILE = "checkpoint"  # where tf.train.CheckpointManager lists a directory's checkpoints
@@ -33,46 +29,16 @@ PASSED_OVER = "passed_over"  # where a passed-over checkpoint goes before its nu
 _CHECKPOINT_FILE = re.compile(r"ckpt-(\d+)\.(?:index|data-\d{5}-of-\d{5})")
 _PARTIAL_SAVE = re.compile(r"ckpt-\d+_temp.*")  # what TF stages a checkpoint in
 _RECORD_KEY = "run_record/.ATTRIBUTES/VARIABLE_VALUE"  # the run record's copy in a checkpoint
-_MODEL_PREFIX = "model/"
-_AVERAGE_PREFIX = "moving_average/"
-_OPTIMIZER_WEIGHTS_PREFIX = "optimizer/_trainable_variables/"
-_OBJECT_GRAPH = "_CHECKPOINTABLE_OBJECT_GRAPH"
 # TF's reader fails on a damaged file in all of these ways, depending on where it is cut.
-_READ_ERRORS = (tf.errors.OpError, AssertionError, ValueError, IndexError, KeyError)
+READ_ERRORS = (tf.errors.OpError, AssertionError, ValueError, IndexError, KeyError)
 
 
-def check_same_run(train_dir: str, record: dict) -> None:
-    """Refuses a train_dir written by a different model or layout, naming a fresh one to use.
-
-    Without RUN_FILE, the copy in the newest checkpoint that holds one is compared; a record
-    without any checkpoint, or checkpoints without any record, are refused: either means files
-    of the run were lost, and starting afresh would write over what is left.
-    """
-    saved = read_run_record(train_dir)
+def check_same_run(train_dir: str, record: RunRecord) -> None:
+    """`RunRecord.check` against the checkpoints in train_dir, found from their files, and the
+    record's copy in the newest that holds one."""
     # The data files of an interrupted save are no checkpoint: the writer moves them aside.
     numbers = [n for n in checkpoint_numbers(train_dir) if n not in interrupted_merges(train_dir)]
-    says = ""
-    if saved is not None and not numbers:
-        raise UsageError(f"--train_dir={train_dir}: holds {RUN_FILE} but no checkpoint (no ckpt-N "
-                         "file): were they moved or deleted? Put them back to resume, remove "
-                         f"{RUN_FILE} to start afresh there, or add --train_dir={fresh_directory(train_dir)}")
-    if saved is None and numbers:
-        saved, copy = _record_copy(train_dir, numbers)
-        if saved is None:
-            raise UsageError(f"--train_dir={train_dir}: holds checkpoints (the newest ckpt-{numbers[0]}) "
-                             f"but no {RUN_FILE}, and none holds a copy of it (written by an older "
-                             "tower_train?), so nothing says which run they are of; put the file back "
-                             f"to resume, or add --train_dir={fresh_directory(train_dir)}")
-        says = f" (says the copy of {RUN_FILE} in {copy}, as the file itself is missing)"
-        logging.warning("%s is missing: comparing this run with the copy in %s",
-                        os.path.join(train_dir, RUN_FILE), copy)
-    if saved is None:
-        return
-    differ = record_differences(saved, record)
-    if differ:
-        raise UsageError(f"--train_dir={train_dir} holds another run{says}: " + "; ".join(differ)
-                         + " (global_batch = batch_size x towers x workers x accum); use the same "
-                         f"values to resume, or add --train_dir={fresh_directory(train_dir)}")
+    record.check(train_dir, numbers, lambda: _record_copy(train_dir, numbers))
 
 
 def checkpoint_numbers(directory: str) -> list[int]:
@@ -93,7 +59,7 @@ def _record_copy(directory: str, numbers: list[int]) -> tuple[dict | None, str |
         path = os.path.join(directory, f"ckpt-{number}")
         try:
             record = json.loads(tf.train.load_checkpoint(path).get_tensor(_RECORD_KEY))
-        except _READ_ERRORS:
+        except READ_ERRORS:
             continue
         if isinstance(record, dict):
             return record, path
@@ -119,7 +85,7 @@ def restore_latest_readable(checkpoint: tf.train.Checkpoint, train_dir: str,
             try:
                 # Partial: the checkpoint's copy of the run record is added to the state after this.
                 checkpoint.restore(path).expect_partial().assert_existing_objects_matched()
-            except _READ_ERRORS as e:
+            except READ_ERRORS as e:
                 if not _reads_whole(path):
                     failures.append(f"checkpoint {path} is unreadable ({first_line(e, 160)})")
                     continue
@@ -146,13 +112,13 @@ def _configuration_mismatch(checkpoint: tf.train.Checkpoint, path: str) -> str |
     or if the index is unreadable (the restore then names the damage)."""
     try:
         shapes = tf.train.load_checkpoint(path).get_variable_to_shape_map()
-    except _READ_ERRORS:
+    except READ_ERRORS:
         return None
     if (getattr(checkpoint, "loss_scale", None) is not None
             and not any(key.startswith("loss_scale/") for key in shapes)):
         return ("it holds no loss scale, so it was written without --precision=fp16, and this run "
                 "has --precision=fp16")
-    mismatch = _shape_mismatch(checkpoint, shapes)
+    mismatch = shape_mismatch(checkpoint, shapes)
     return f"{mismatch} (another architecture?)" if mismatch else None
 
 
@@ -172,7 +138,7 @@ def _reads_whole(path: str) -> bool:
         reader = tf.train.load_checkpoint(path)
         for name in reader.get_variable_to_shape_map():
             reader.get_tensor(name)
-    except _READ_ERRORS:
+    except READ_ERRORS:
         return False
     return True
 
@@ -285,7 +251,7 @@ class CheckpointWriter:
     into a temporary directory inside it, which `close` removes.
     """
 
-    def __init__(self, checkpoint: tf.train.Checkpoint, train_dir: str, record: dict,
+    def __init__(self, checkpoint: tf.train.Checkpoint, train_dir: str, record: RunRecord,
                  is_chief: bool = True, worker_index: int = 0):
         self.train_dir = train_dir
         self._checkpoint = checkpoint
@@ -311,7 +277,7 @@ class CheckpointWriter:
         # Added after the restore, as checkpoints of earlier versions hold no copy; assigned once
         # added, as adding it restores the copy the checkpoint holds.
         self._checkpoint.run_record = copy
-        copy.assign(json.dumps(self._record, sort_keys=True))
+        copy.assign(json.dumps(self._record.as_dict(), sort_keys=True))
         self._manager = tf.train.CheckpointManager(self._checkpoint, self._directory,
                                                    max_to_keep=CHECKPOINTS_KEPT)
         return self._latest
@@ -331,7 +297,7 @@ class CheckpointWriter:
             written = True
             self._latest = os.path.join(self.train_dir, f"ckpt-{step}")
             if self._is_chief:  # after the checkpoint: a record beside no checkpoint is refused
-                write_run_record(self.train_dir, self._record)
+                self._record.write(self.train_dir)
         except (tf.errors.OpError, OSError) as e:
             failure = write_failure(e)
             if written:  # the checkpoint is whole, and its copy of the record stands in for the file
@@ -393,164 +359,7 @@ class CheckpointWriter:
             shutil.rmtree(self._directory, ignore_errors=True)
 
 
-# --------------------------------------------------------------------------------------------------
-# Finding and restoring a checkpoint for evaluation
-
-
-@dataclasses.dataclass(frozen=True)
-class CheckpointInfo:
-    path: str  # the checkpoint's prefix, e.g. /tmp/tower_train/ckpt-30
-    flag: str  # how the user named it, for messages: "--checkpoint=..." or "--train_dir=..."
-    has_moving_average: bool
-
-
-_NO_CHECKPOINT_HINT = {True: "; train there first, or name one with --checkpoint",
-                       False: " (name a checkpoint prefix such as <train_dir>/ckpt-30, or a run's "
-                              "train_dir)"}
-
-
-def _prefix(checkpoint: str) -> str:
-    return checkpoint[:-len(".index")] if checkpoint.endswith(".index") else checkpoint
-
-
-def check_named_checkpoint(checkpoint: str | None, train_dir: str, model: str) -> None:
-    """The checks that need no reading of tensors, so that these errors come at once: the path
-    named exists, a directory lists checkpoints at all, and the run record beside them (if
-    any) names this model."""
-    listed = checkpoint is None or os.path.isdir(checkpoint)  # a directory: its latest checkpoint
-    if checkpoint is not None:
-        flag, directory = f"--checkpoint={checkpoint}", checkpoint
-        if not listed:
-            prefix = _prefix(checkpoint)
-            if not os.path.isfile(prefix + ".index"):
-                raise UsageError(f"{flag}: no such checkpoint ({prefix}.index does not exist); name "
-                                 "a checkpoint prefix such as <train_dir>/ckpt-30, or a directory")
-            directory = os.path.dirname(prefix) or "."
-    else:
-        flag, directory = f"--train_dir={train_dir}", train_dir
-        if not os.path.isdir(train_dir):
-            raise UsageError(f"{flag}: "
-                             f"{'is not a directory' if os.path.exists(train_dir) else 'does not exist'}"
-                             "; no checkpoint to evaluate (name a run's --train_dir, or --checkpoint)")
-    if listed and not checkpoint_numbers(directory):
-        raise UsageError(f"{flag}: holds no checkpoint{_NO_CHECKPOINT_HINT[checkpoint is None]}")
-    try:
-        record = read_run_record(directory) or {}
-    except UsageError:
-        return  # an unreadable record: the restore itself checks the structure
-    trained, module = record.get("model"), record.get("model_module")
-    if trained is not None and trained != model:
-        hint = model_label(trained) + (f" --model_module={module}" if module else "")
-        raise UsageError(f"{flag}: its checkpoints are of {model_label(trained)} (says "
-                         f"{os.path.join(directory, RUN_FILE)}), not {model_label(model)}; pass {hint}")
-
-
-def model_label(name: str) -> str:
-    """How messages name a model: --model=NAME for a registered one, model=module.Class else."""
-    return f"model={name}" if "." in name else f"--model={name}"
-
-
-class CheckpointGone(UsageError):
-    """The checkpoint being read was removed meanwhile: a run writing the train_dir rotated it
-    away. Evaluating a directory's latest then takes the latest again."""
-
-
-def _gone(path: str, read_whole: bool) -> bool:
-    """Whether the checkpoint `path` was removed: its index is gone, or, once it was read whole,
-    any of its files (one without data files from the start is damaged, not removed)."""
-    if not os.path.isfile(path + ".index"):
-        return True
-    return read_whole and not glob.glob(glob.escape(path) + ".data-*")
-
-
-def _gone_error(info_flag: str, path: str) -> CheckpointGone:
-    return CheckpointGone(f"{info_flag}: checkpoint {path} was removed while it was read (by the "
-                          "rotation of a run writing there?); name a newer one, or evaluate the "
-                          "directory's latest")
-
-
-def find_checkpoint(checkpoint: str | None, train_dir: str) -> CheckpointInfo:
-    """The checkpoint to evaluate, checked readable: --checkpoint (a prefix, or a directory's
-    latest), else the latest in train_dir. A directory's latest is its newest whole checkpoint
-    (one being saved has no index yet) that is still there once read: a run writing there may
-    remove it meanwhile."""
-    directory = train_dir if checkpoint is None else checkpoint
-    flag = f"--train_dir={train_dir}" if checkpoint is None else f"--checkpoint={checkpoint}"
-    if not os.path.isdir(directory):
-        return _read_checkpoint(_prefix(checkpoint), flag)
-    numbers = checkpoint_numbers(directory)  # from the files: the index may be lost
-    if not numbers:
-        raise UsageError(f"{flag}: holds no checkpoint{_NO_CHECKPOINT_HINT[checkpoint is None]}")
-    for number in numbers:
-        path = os.path.join(directory, f"ckpt-{number}")
-        if os.path.isfile(path + ".index"):
-            try:
-                return _read_checkpoint(path, flag)
-            except CheckpointGone:
-                continue  # the next newest
-    raise UsageError(f"{flag}: every checkpoint in it was removed or unfinished while it was read "
-                     "(a run writing there?); evaluate again")
-
-
-def _read_checkpoint(path: str, flag: str) -> CheckpointInfo:
-    try:
-        reader = tf.train.load_checkpoint(path)
-        names = sorted(reader.get_variable_to_shape_map())
-        # Read now what a restore may read, so that a damaged file is named here. A variable is
-        # stored under the first path that reaches it, which for a Keras model's weights is the
-        # optimizer's list of them, not the model's attributes.
-        for name in names:
-            if name.startswith((_MODEL_PREFIX, _AVERAGE_PREFIX, _OPTIMIZER_WEIGHTS_PREFIX)):
-                reader.get_tensor(name)
-        roots = _root_objects(reader)
-    except _READ_ERRORS as e:
-        if _gone(path, read_whole=False):
-            raise _gone_error(flag, path) from None
-        raise UsageError(f"{flag}: checkpoint {path} is unreadable ({first_line(e)})") from None
-    if "model" not in roots:
-        raise UsageError(f"{flag}: checkpoint {path} holds no 'model' (not written by tower_train?)")
-    return CheckpointInfo(path, flag, "moving_average" in roots)
-
-
-def _root_objects(reader) -> set[str]:
-    """The names of the objects a checkpoint's root holds ("model", "optimizer", ...)."""
-    from tensorflow.core.protobuf import trackable_object_graph_pb2
-
-    if not reader.has_tensor(_OBJECT_GRAPH):
-        return set()
-    graph = trackable_object_graph_pb2.TrackableObjectGraph()
-    graph.ParseFromString(reader.get_tensor(_OBJECT_GRAPH))
-    return {child.local_name for child in graph.nodes[0].children}
-
-
-def restore_for_evaluation(info: CheckpointInfo, objects: dict, model_name: str) -> None:
-    """Restores `objects` ({"model": ..., maybe "moving_average": ...}) from the checkpoint;
-    the optimizer is not read. UsageError for a checkpoint of another network; CheckpointGone
-    for one removed since `find_checkpoint` read it."""
-    try:
-        shapes = tf.train.load_checkpoint(info.path).get_variable_to_shape_map()
-    except _READ_ERRORS as e:
-        if _gone(info.path, read_whole=True):
-            raise _gone_error(info.flag, info.path) from None
-        raise UsageError(f"{info.flag}: checkpoint {info.path} is unreadable ({first_line(e)})") from None
-    mismatch = _shape_mismatch(types.SimpleNamespace(**objects), shapes)
-    if mismatch:
-        raise UsageError(f"{info.flag}: checkpoint {info.path} does not fit {model_label(model_name)} "
-                         f"(a checkpoint of another network?): {mismatch}")
-    try:
-        tf.train.Checkpoint(**objects).restore(info.path).expect_partial() \
-            .assert_existing_objects_matched()
-    # A checkpoint of another network fails the match (AssertionError) or a shape (ValueError).
-    except _READ_ERRORS as e:
-        if _gone(info.path, read_whole=True):
-            raise _gone_error(info.flag, info.path) from None
-        what = ("does not hold the weights of" if isinstance(e, AssertionError)
-                else "cannot be restored into")
-        raise UsageError(f"{info.flag}: checkpoint {info.path} {what} {model_label(model_name)} "
-                         f"({first_line(e)})") from None
-
-
-def _shape_mismatch(root: object, shapes: dict) -> str | None:
+def shape_mismatch(root: object, shapes: dict) -> str | None:
     """The first checkpoint variable (`shapes`: key -> shape, as a checkpoint's reader gives them)
     whose shape differs from the Python variable it would be restored into, found by following
     its key's attribute names from `root`; None if there is none.

@@ -24,7 +24,7 @@ from typing import Callable, Iterable, Iterator
 
 from absl import flags, logging
 
-from tower_train import cluster
+from tower_train import cluster, peer_watchdog
 from tower_train import flags as tt_flags
 from tower_train.config import TrainConfig
 from tower_train.errors import Stopped, TrainingError, UsageError
@@ -120,7 +120,7 @@ def _train(argv: list[str]) -> int:
     watchdog = None
     if config.mode_rules.workers:
         worker = cluster.this_worker(config.cluster)
-        watchdog = cluster.PeerWatchdog(worker, config.collective_timeout, PROG)  # before TF loads
+        watchdog = peer_watchdog.PeerWatchdog(worker, config.collective_timeout, PROG)  # before TF loads
     try:
         load_tensorflow()
         from tower_train.api import fit

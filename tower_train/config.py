@@ -61,7 +61,6 @@ PS_DEVICES = ("cpu", "gpu", "spread")  # spread: over the tower devices (tower m
 TOWER_WEIGHTS = ("per_update", "per_micro_step")  # how often tower mode's towers fetch the weights
 OPTIMIZERS = ("sgd", "momentum", "adam")
 NONFINITE_POLICIES = ("stop", "skip")
-RUN_FILE = "tower_train_run.json"  # in a train_dir: what its checkpoints were trained with
 SCHEDULES = ("constant", "exponential", "cosine")  # of the learning rate; see tower_train.schedules
 PRECISIONS = ("fp32", "bf16", "fp16")  # compute dtype of the towers; variables stay float32
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # the dtype each precision names

@@ -63,7 +63,7 @@ def evaluate_checkpoint(model: object = None, data: object = None, *, checkpoint
     """
     from absl import logging
 
-    from tower_train import checkpoints
+    from tower_train import checkpoints, eval_checkpoint
 
     config, model, data = config_and_objects(model, data, options)
     if metrics is not None:
@@ -73,7 +73,7 @@ def evaluate_checkpoint(model: object = None, data: object = None, *, checkpoint
     if model is None:  # a registered name: checked against the run record before any TF work
         from tower_train.models import model_class
 
-        checkpoints.check_named_checkpoint(checkpoint, config.train_dir, config.model)
+        eval_checkpoint.check_named_checkpoint(checkpoint, config.train_dir, config.model)
         model_class(config.model, config.model_module)
     check_data(config, data)
     # Evaluation has no strategy: the towers of tower mode, whatever --mode trained the checkpoint.
@@ -86,7 +86,7 @@ def evaluate_checkpoint(model: object = None, data: object = None, *, checkpoint
     from tower_train.model_spec import build_model, resolve_model
     from tower_train.schedules import MovingAverage
 
-    info = checkpoints.find_checkpoint(checkpoint, config.train_dir)
+    info = eval_checkpoint.find_checkpoint(checkpoint, config.train_dir)
     source = data if data is not None else datasets.load_source(
         config.dataset, config.data_dir, config.augment)
     source.check()
@@ -100,12 +100,12 @@ def evaluate_checkpoint(model: object = None, data: object = None, *, checkpoint
     # checkpoint away: a directory's latest is then taken again, as often as there are kept ones.
     for attempt in range(checkpoints.CHECKPOINTS_KEPT, -1, -1):
         try:
-            checkpoints.restore_for_evaluation(info, objects, spec.name)
+            eval_checkpoint.restore_for_evaluation(info, objects, spec.name)
             break
-        except checkpoints.CheckpointGone:
+        except eval_checkpoint.CheckpointGone:
             if not attempt or not os.path.isdir(checkpoint or config.train_dir):
                 raise
-            gone, info = info.path, checkpoints.find_checkpoint(checkpoint, config.train_dir)
+            gone, info = info.path, eval_checkpoint.find_checkpoint(checkpoint, config.train_dir)
             logging.info("%s was removed while the model was built: evaluating %s, now the latest",
                          gone, info.path)
     metrics = evaluation.make_metrics(metrics or [])

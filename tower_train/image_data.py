@@ -18,7 +18,8 @@ import os
 import numpy as np
 import tensorflow as tf
 
-from tower_train.data import ArraySource, DataError
+from tower_train.array_source import ArraySource
+from tower_train.data import DataError
 
 BUILT_IN = ("synthetic", "cifar10")
 IMAGE_SIZE = 24  # the model's input side: the original's crop

@@ -2,54 +2,108 @@
 
 `RUN_FILE` records what must not change for a train_dir's checkpoints to be
 resumed (the model, the data, the seed, the optimizer, whether a moving average
-is kept, and G, the examples per update); `checkpoints.check_same_run` compares
-a new run with it. `TrainDirLock` keeps a second run out of a train_dir while
-one trains there. Nothing here reads a checkpoint.
+is kept, and G, the examples per update): a `RunRecord`, whose `check` compares
+a new run with it (`checkpoints.check_same_run` tells it what the checkpoints
+say). `TrainDirLock` keeps a second run out of a train_dir while one trains
+there. Nothing here reads a checkpoint.
 """
 from __future__ import annotations
 
+import dataclasses
 import errno
 import fcntl
 import json
 import os
 import socket
+from typing import Callable
 
-from tower_train.config import RUN_FILE
+from absl import logging
+
 from tower_train.errors import UsageError
 
+RUN_FILE = "tower_train_run.json"  # in a train_dir: what its checkpoints were trained with
 LOCK_FILE = "lock"  # held by the run that trains in a train_dir
 
 _FOR_MESSAGES_ONLY = ("model_module",)  # recorded for the eval command's hints, not compared
 
 
-def run_record(model: str, model_module: str | None, dataset: str, seed: int, optimizer: str,
-               global_batch: int, moving_average: bool) -> dict:
+@dataclasses.dataclass(frozen=True)
+class RunRecord:
     """What must not change for a checkpoint to be resumed (any factoring of G is fine:
     that is the promise), and the module that registers the model."""
-    return {"model": model, "model_module": model_module, "dataset": dataset, "seed": seed,
-            "optimizer": optimizer, "global_batch": global_batch, "moving_average": moving_average}
 
+    model: str
+    model_module: str | None
+    dataset: str
+    seed: int
+    optimizer: str
+    global_batch: int
+    moving_average: bool
 
-def read_run_record(directory: str) -> dict | None:
-    """The run record in `directory`, None if there is none; UsageError if it is unreadable."""
-    path = os.path.join(directory, RUN_FILE)
-    if not os.path.exists(path):
-        return None
-    try:
-        with open(path) as f:
-            record = json.load(f)
-    except (OSError, ValueError) as e:
-        raise UsageError(f"--train_dir={directory}: {RUN_FILE} is unreadable ({e})") from None
-    if not isinstance(record, dict):
-        raise UsageError(f"--train_dir={directory}: {RUN_FILE} holds no JSON object")
-    return record
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
 
+    @staticmethod
+    def read(directory: str) -> dict | None:
+        """The record in `directory` as written (by any version), None if there is none;
+        UsageError if it is unreadable."""
+        path = os.path.join(directory, RUN_FILE)
+        if not os.path.exists(path):
+            return None
+        try:
+            with open(path) as f:
+                record = json.load(f)
+        except (OSError, ValueError) as e:
+            raise UsageError(f"--train_dir={directory}: {RUN_FILE} is unreadable ({e})") from None
+        if not isinstance(record, dict):
+            raise UsageError(f"--train_dir={directory}: {RUN_FILE} holds no JSON object")
+        return record
 
-def record_differences(saved: dict, record: dict) -> list[str]:
-    """"<key> <saved> there, <new> here" for each key of `record` whose value differs from the
-    saved record's (the module that registers the model is not compared)."""
-    return [f"{key} {saved.get(key)!r} there, {value!r} here" for key, value in record.items()
-            if saved.get(key) != value and key not in _FOR_MESSAGES_ONLY]
+    def write(self, train_dir: str) -> None:
+        """Writes the record unless there is one, whole or not at all (a full disk leaves no half)."""
+        path = os.path.join(train_dir, RUN_FILE)
+        if not os.path.exists(path):
+            write_whole(path, json.dumps(self.as_dict(), indent=1))
+
+    def differences(self, saved: dict) -> list[str]:
+        """"<key> <saved> there, <new> here" for each value of this record that differs from the
+        saved record's (the module that registers the model is not compared)."""
+        return [f"{key} {saved.get(key)!r} there, {value!r} here" for key, value in self.as_dict().items()
+                if saved.get(key) != value and key not in _FOR_MESSAGES_ONLY]
+
+    def check(self, train_dir: str, checkpoints: list[int],
+              copy: Callable[[], tuple[dict | None, str | None]]) -> None:
+        """Refuses a train_dir written by a different model or layout, naming a fresh one to use.
+
+        `checkpoints` are the numbers of the checkpoints in it, newest first; `copy` reads the
+        record's copy in the newest that holds one, and that checkpoint's path ((None, None) if
+        none does). Without RUN_FILE the copy is compared; a record without any checkpoint, or
+        checkpoints without any record, are refused: either means files of the run were lost,
+        and starting afresh would write over what is left.
+        """
+        saved = self.read(train_dir)
+        says = ""
+        if saved is not None and not checkpoints:
+            raise UsageError(f"--train_dir={train_dir}: holds {RUN_FILE} but no checkpoint (no ckpt-N "
+                             "file): were they moved or deleted? Put them back to resume, remove "
+                             f"{RUN_FILE} to start afresh there, or add --train_dir={fresh_directory(train_dir)}")
+        if saved is None and checkpoints:
+            saved, where = copy()
+            if saved is None:
+                raise UsageError(f"--train_dir={train_dir}: holds checkpoints (the newest ckpt-{checkpoints[0]}) "
+                                 f"but no {RUN_FILE}, and none holds a copy of it (written by an older "
+                                 "tower_train?), so nothing says which run they are of; put the file back "
+                                 f"to resume, or add --train_dir={fresh_directory(train_dir)}")
+            says = f" (says the copy of {RUN_FILE} in {where}, as the file itself is missing)"
+            logging.warning("%s is missing: comparing this run with the copy in %s",
+                            os.path.join(train_dir, RUN_FILE), where)
+        if saved is None:
+            return
+        differ = self.differences(saved)
+        if differ:
+            raise UsageError(f"--train_dir={train_dir} holds another run{says}: " + "; ".join(differ)
+                             + " (global_batch = batch_size x towers x workers x accum); use the same "
+                             f"values to resume, or add --train_dir={fresh_directory(train_dir)}")
 
 
 def fresh_directory(train_dir: str) -> str:
@@ -59,13 +113,6 @@ def fresh_directory(train_dir: str) -> str:
     while os.path.exists(f"{base}_{number}"):
         number += 1
     return f"{base}_{number}"
-
-
-def write_run_record(train_dir: str, record: dict) -> None:
-    """Writes the record unless there is one, whole or not at all (a full disk leaves no half)."""
-    path = os.path.join(train_dir, RUN_FILE)
-    if not os.path.exists(path):
-        write_whole(path, json.dumps(record, indent=1))
 
 
 def write_whole(path: str, text: str) -> None:

@@ -20,7 +20,7 @@ import functools
 
 import numpy as np
 
-from tower_train.data import ArraySource
+from tower_train.array_source import ArraySource
 
 VOCABULARY = 32
 LENGTH = 48  # tokens per padded example

@@ -1,5 +1,6 @@
-"""`TFRecordSource`: a streaming source of `tf.train.Example` records in TFRecord files, and
-`write_examples`, which writes such files from numpy arrays.
+"""`TFRecordSource`: a streaming source of `tf.train.Example` records in TFRecord files. Its files
+are checked whole by `tfrecord_check`; `tfrecord_writer.write_examples` writes such files from
+numpy arrays (and is importable from here too, where the docs have always shown it).
 
 The records are read as a stream, never loaded whole: what the pipeline holds at any time is
 bounded by the shuffle buffer, the read buffers and a few batches, whatever the number of records.
@@ -7,9 +8,7 @@ bounded by the shuffle buffer, the read buffers and a few batches, whatever the 
 
 from __future__ import annotations
 
-import os
 import re
-import struct
 from typing import Callable, Mapping, Sequence, TypeVar, Union
 
 import numpy as np
@@ -18,26 +17,22 @@ import tensorflow as tf
 from tower_train.data import (_HOST, TRAIN_PREFETCH, DataError, Preprocess, Source, check_stream_arguments,
                               weight_check, without_autotuning)
 from tower_train.errors import UsageError, op_error_text
+from tower_train.tfrecord_check import COMPRESSIONS, Files, checked_files, file_fault
+from tower_train.tfrecord_writer import write_examples  # here too: the import path the docs show
 from tower_train.user_code import UserCodeError, describe, where
 
 FeatureConfig = Union[tf.io.FixedLenFeature, tf.io.VarLenFeature, tf.io.FixedLenSequenceFeature,
                       tf.io.RaggedFeature, tf.io.SparseFeature]
 Parse = Callable[[dict], tuple]
-Files = Union[str, Sequence[str]]
 T = TypeVar("T")
 _FEATURE_TYPES = (tf.io.FixedLenFeature, tf.io.VarLenFeature, tf.io.FixedLenSequenceFeature,
                   tf.io.RaggedFeature, tf.io.SparseFeature)
 
 SHARDINGS = ("stream", "files")
-COMPRESSIONS = (None, "", "ZLIB", "GZIP")
 # Second word of the shuffle key [seed, salt]: keeps these shuffles apart from any other use of the
 # training seed (ArraySource's permutations, preprocessing's per-example seeds [seed, position]).
 _SHUFFLE_SALT = 0x7F5EC0DE
 _READ_BUFFER = 1 << 20  # bytes of read-ahead per TFRecord file
-# A record is [uint64 length][uint32 masked crc32c of the length][data][uint32 masked crc32c of the data].
-_HEADER, _FOOTER = 12, 4
-_GZIP_MAGIC = b"\x1f\x8b"
-_WALK_CHUNK = 1 << 16  # bytes read at once while walking a file's headers
 # TensorFlow's DataLossError names the offset of the record it failed on, never the file.
 _FAILED_OFFSET = re.compile(r"(?:corrupted|truncated) record at (\d+)")
 
@@ -96,7 +91,7 @@ class TFRecordSource(Source):
         patterns, each pattern's matches in sorted order; a file matched twice is read once.
         Each pattern must match at least one file, and each file must be a whole TFRecord
         file of `compression`: checked here, once, by walking its records' headers
-        (`_file_fault`). eval_files None: no held-out set (evaluation counts no example).
+        (`tfrecord_check.file_fault`). eval_files None: no held-out set (evaluation counts no example).
       features: name -> `tf.io.FixedLenFeature`, `VarLenFeature`, ... for parse_single_example.
       parse: dict of one parsed example -> (features, labels) or (features, labels, weights).
         Traced once on no data by `check` (which `fit` calls), to check what it returns
@@ -160,9 +155,9 @@ class TFRecordSource(Source):
         self.preprocess = preprocess
         self.sharding = sharding
         self.compression = compression or None
-        self.train_files = _expand(name, "train_files", train_files, self.compression)
+        self.train_files = checked_files(name, "train_files", train_files, self.compression)
         self.eval_files = (None if eval_files is None
-                           else _expand(name, "eval_files", eval_files, self.compression))
+                           else checked_files(name, "eval_files", eval_files, self.compression))
         self._returns_weights: bool | None = None  # known once `check` has traced parse
 
     # ----------------------------------------------------------------------------------------------
@@ -236,7 +231,7 @@ class TFRecordSource(Source):
                         fault = (None if self._parses(path)
                                  else f"has a record that does not parse: {op_error_text(error)}")
                     else:
-                        fault = _file_fault(path, self.compression, suspect)
+                        fault = file_fault(path, self.compression, suspect)
                     if fault:
                         return f"{self.name}: {what}: {path!r} {fault}"
         return op_error_text(error)
@@ -447,228 +442,3 @@ def _empty_records() -> tf.data.Dataset:
 
 def _describe_files(files: Sequence[str]) -> str:
     return repr(files[0]) if len(files) == 1 else f"{files[0]!r} and {len(files) - 1} more"
-
-
-def _expand(name: str, what: str, patterns: Files, compression: str | None) -> list[str]:
-    """Patterns -> files: in the patterns' order, each one's matches sorted, duplicates dropped.
-
-    Raises DataError naming the first pattern that matches no file, or the first file that is
-    not a whole TFRecord file of `compression` (`_file_fault`)."""
-    if isinstance(patterns, (str, bytes)):
-        patterns = [patterns]
-    patterns = list(patterns)
-    if not patterns:
-        raise DataError(f"{name}: {what} is empty: give at least one file or glob pattern")
-    files: dict[str, None] = {}
-    for pattern in patterns:
-        if not isinstance(pattern, str) or not pattern:
-            raise DataError(f"{name}: {what}: {pattern!r} is not a file name or glob pattern")
-        try:
-            matches = [path for path in sorted(tf.io.gfile.glob(pattern)) if not tf.io.gfile.isdir(path)]
-        except tf.errors.OpError as e:
-            raise DataError(f"{name}: {what}: cannot list {pattern!r}: {op_error_text(e)}") from e
-        if not matches:
-            raise DataError(f"{name}: {what}: {pattern!r} matches no file")
-        for path in matches:
-            if path not in files:
-                fault = _file_fault(path, compression)
-                if fault:
-                    raise DataError(f"{name}: {what}: {path!r} (matched by {pattern!r}) {fault}")
-            files.setdefault(path, None)
-    return list(files)
-
-
-def _file_fault(path: str, compression: str | None, suspect: int | None = None) -> str | None:
-    """What keeps `path` from being read as a whole TFRecord file of `compression`, as the end of
-    a sentence naming it; None if nothing does.
-
-    Opening and reading is the readability test (os.access says yes to root). An uncompressed
-    file's records are walked header by header, seeking past their data: each length must pass
-    its checksum, and the file must end where a record does (TensorFlow reads a file cut inside
-    a record's header as a shorter file, without a word). The file is read a chunk at a time,
-    so records smaller than a chunk are all read; larger ones are seeked past. The record that holds the offset
-    `suspect` (one TensorFlow's error named) has its data's checksum checked too. A compressed
-    file cannot be walked without decompressing all of it, so only its first bytes are checked.
-    """
-    compression_type = repr(compression or "")
-    try:
-        with tf.io.gfile.GFile(path, "rb") as f:
-            size = f.size()
-            head = f.read(_HEADER)
-            tfrecord = _length_checks(head)
-            if compression and not head:
-                return None  # no record: TensorFlow reads no record from it either
-            if compression == "GZIP" and head[:2] != _GZIP_MAGIC:
-                return ("is not GZIP-compressed (it does not start with gzip's bytes 1f 8b), but "
-                        f"compression_type is {compression_type}"
-                        + ("; it reads as an uncompressed TFRecord file: give compression=None"
-                           if tfrecord else ""))
-            if compression == "ZLIB" and not _zlib_header(head):
-                return (f"is not ZLIB-compressed (it does not start with a zlib header), but "
-                        f"compression_type is {compression_type}"
-                        + ("; it reads as an uncompressed TFRecord file: give compression=None"
-                           if tfrecord else ""))
-            if compression:
-                return None
-            if head and not tfrecord:
-                return _what_it_is(head, compression_type)
-            offset = start = 0
-            chunk = b""  # the file's bytes from `start` on: a read per chunk, not per record
-            while offset < size:
-                if offset + _HEADER > start + len(chunk):
-                    f.seek(offset)
-                    start, chunk = offset, f.read(_WALK_CHUNK)
-                header = chunk[offset - start:offset - start + _HEADER]
-                if len(header) < _HEADER:
-                    return (f"ends inside the header of the record at offset {offset} ({len(header)} "
-                            f"of its {_HEADER} bytes): the file is truncated")
-                if not _length_checks(header):
-                    return f"has a corrupted record at offset {offset}: its length fails its checksum"
-                end = offset + _HEADER + struct.unpack("<Q", header[:8])[0] + _FOOTER
-                if end > size:
-                    return (f"ends inside the record at offset {offset} (the record would end at byte "
-                            f"{end}, the file ends at byte {size}): the file is truncated")
-                if suspect is not None and offset <= suspect < end and _data_fault(f, offset, end):
-                    return f"has a corrupted record at offset {offset}: its data fails its checksum"
-                offset = end
-    except (tf.errors.OpError, OSError) as e:
-        return f"cannot be read: {op_error_text(e)}"
-    return None
-
-
-def _what_it_is(head: bytes, compression_type: str) -> str:
-    """Says what a file is whose first record's length fails its checksum."""
-    if head[:2] == _GZIP_MAGIC:
-        return (f"is GZIP-compressed (it starts with gzip's bytes 1f 8b), but compression_type is "
-                f"{compression_type}: give compression='GZIP'")
-    if _zlib_header(head):
-        return (f"looks ZLIB-compressed (it starts with a zlib header), but compression_type is "
-                f"{compression_type}: give compression='ZLIB'")
-    return (f"is not a TFRecord file (its first record's length fails its checksum; compression_type "
-            f"is {compression_type}, and it is neither GZIP- nor ZLIB-compressed)")
-
-
-def _length_checks(header: bytes) -> bool:
-    """Whether a record's 12-byte header is whole and its length passes its checksum."""
-    return len(header) == _HEADER and _masked_crc32c(header[:8]) == struct.unpack("<I", header[8:])[0]
-
-
-def _data_fault(f, offset: int, end: int) -> bool:
-    """Whether the data of the record [offset, end) fails its checksum."""
-    f.seek(offset + _HEADER)
-    data = f.read(end - offset - _HEADER - _FOOTER)
-    return _masked_crc32c(data) != struct.unpack("<I", f.read(_FOOTER))[0]
-
-
-def _zlib_header(head: bytes) -> bool:
-    """Whether `head` starts with a zlib stream's header (RFC 1950: deflate, and its check)."""
-    return len(head) >= 2 and head[0] & 0x0F == 8 and (head[0] << 8 | head[1]) % 31 == 0
-
-
-def _crc32c_table() -> tuple[int, ...]:
-    table = []
-    for byte in range(256):
-        crc = byte
-        for _ in range(8):
-            crc = (crc >> 1) ^ 0x82F63B78 if crc & 1 else crc >> 1
-        table.append(crc)
-    return tuple(table)
-
-
-_CRC32C_TABLE = _crc32c_table()
-
-
-def _masked_crc32c(data: bytes) -> int:
-    """TFRecord's checksum: CRC-32C (Castagnoli), rotated right by 15 bits plus a constant."""
-    crc = 0xFFFFFFFF
-    for byte in data:
-        crc = _CRC32C_TABLE[(crc ^ byte) & 0xFF] ^ (crc >> 8)
-    crc ^= 0xFFFFFFFF
-    return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
-
-
-# --------------------------------------------------------------------------------------------------
-# Writing
-
-
-def write_examples(path: str, features: Mapping[str, np.ndarray | Sequence[np.ndarray]],
-                   compression: str | None = None) -> int:
-    """Writes one `tf.train.Example` per row to the TFRecord file `path`; returns the rows written.
-
-    `features` maps a feature name to its rows: an array whose axis 0 counts the rows, or a
-    sequence of per-row arrays (rows may then differ in length, for a VarLenFeature). Each row is
-    flattened into an int64 list (bool and integer dtypes), a float list (floating dtypes; stored
-    as float32) or a bytes list (bytes or str, str as UTF-8; binary data as a sequence of bytes
-    objects, since a numpy bytes array drops trailing zero bytes). Every feature must have the same
-    number of rows. Read a feature back with ``tf.io.FixedLenFeature(row_shape, tf.int64 /
-    tf.float32 / tf.string)`` or ``tf.io.VarLenFeature(...)``. The file's directory is made
-    if it does not exist.
-    """
-    if compression not in COMPRESSIONS:
-        raise ValueError(f"compression={compression!r}: must be None, 'ZLIB' or 'GZIP'")
-    if not features:
-        raise ValueError("features is empty: give at least one feature")
-    columns = {}
-    for key, value in features.items():
-        if not isinstance(key, str):
-            raise ValueError(f"feature name {key!r} is not a string")
-        if isinstance(value, np.ndarray) and value.dtype != object:
-            if value.ndim < 1:
-                raise ValueError(f"feature {key!r} is a scalar: axis 0 must count the rows")
-            columns[key] = value
-        else:
-            columns[key] = [_row(row) for row in value]
-    counts = {key: len(rows) for key, rows in columns.items()}
-    if len(set(counts.values())) != 1:
-        raise ValueError(f"features have different numbers of rows: {counts}")
-    count = next(iter(counts.values()))
-    kinds = {key: _list_kind(key, rows) for key, rows in columns.items()}
-    options = tf.io.TFRecordOptions(compression_type=compression or "")
-    tf.io.gfile.makedirs(os.path.dirname(path) or ".")
-    with tf.io.TFRecordWriter(path, options) as writer:
-        for i in range(count):
-            example = tf.train.Example()
-            feature_map = example.features.feature
-            for key, rows in columns.items():
-                row = _row(rows[i]).reshape(-1)
-                kind = kinds[key]
-                if kind == "int64":
-                    feature_map[key].int64_list.value.extend(row.astype(np.int64).tolist())
-                elif kind == "float":
-                    feature_map[key].float_list.value.extend(row.astype(np.float32).tolist())
-                else:
-                    feature_map[key].bytes_list.value.extend(
-                        v.encode("utf-8") if isinstance(v, str) else bytes(v) for v in row.tolist())
-            writer.write(example.SerializeToString())
-    return count
-
-
-def _row(value) -> np.ndarray:
-    """One row as an array; bytes and str stay whole Python objects (numpy's fixed-width bytes
-    would drop a trailing zero byte)."""
-    if isinstance(value, (bytes, str)):
-        return np.array([value], dtype=object).reshape(())
-    return np.asarray(value)
-
-
-def _list_kind(key: str, rows) -> str:
-    """"int64", "float" or "bytes" for one feature's rows: by the array's dtype, or for a sequence
-    of rows by the first non-empty row's (every row must be of the same kind)."""
-    if isinstance(rows, np.ndarray):
-        dtypes = [rows.dtype]
-    else:
-        dtypes = [row.dtype for row in rows if row.size]
-    kinds = {_dtype_kind(key, dtype) for dtype in dtypes}
-    if len(kinds) > 1:
-        raise ValueError(f"feature {key!r} mixes rows of {' and '.join(sorted(kinds))}: one kind per feature")
-    return kinds.pop() if kinds else "int64"
-
-
-def _dtype_kind(key: str, dtype: np.dtype) -> str:
-    if dtype == bool or np.issubdtype(dtype, np.integer):
-        return "int64"
-    if np.issubdtype(dtype, np.floating):
-        return "float"
-    if dtype.kind in "SUO":
-        return "bytes"
-    raise ValueError(f"feature {key!r} has dtype {dtype}: expected integers, floats, bytes or str")

@@ -23,7 +23,7 @@ from absl import logging
 
 from tower_train import checkpoints, run_dir
 from tower_train.callbacks import KerasCallbacks
-from tower_train.cluster import PeerClock, WorkerInfo
+from tower_train.cluster import WorkerInfo
 from tower_train.config import TrainConfig
 from tower_train.data import RUN_OP_ERRORS, Source
 from tower_train.errors import Stopped, TrainingError, UsageError, op_error_text, traced_message
@@ -34,6 +34,7 @@ from tower_train.inner_step import Batch, Decision, InnerStep, UpdateResult
 from tower_train.model_spec import ModelSpec, users_network
 from tower_train.modes import Mode
 from tower_train.numerics import run_numerics, tf32_note
+from tower_train.peer_watchdog import PeerClock
 from tower_train.progress import Progress, Summaries, new_history
 from tower_train.run import Run, TrainState
 from tower_train.stop_signals import StopSignals
@@ -302,8 +303,8 @@ def _train(config: TrainConfig, spec: ModelSpec, source: Source, mode: Mode, wat
     log = _worker_logger(worker)
     global_batch = config.global_batch * worker.count
     optimizer = config.optimizer if spec.optimizer is None else type(spec.optimizer).__name__
-    record = run_dir.run_record(spec.name, config.model_module, source.name, config.seed,
-                                optimizer, global_batch, config.ema_decay > 0)
+    record = run_dir.RunRecord(spec.name, config.model_module, source.name, config.seed,
+                               optimizer, global_batch, config.ema_decay > 0)
     checkpoints.check_same_run(config.train_dir, record)
     with watchdog.local_work():  # building and restoring: TF's collective timeout covers their waits
         run = Run.create(spec, source, mode)
