@@ -36,7 +36,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tower_train.cluster import PeerClock
+from tower_train.peer_watchdog import PeerClock
 from tower_train.data import RUN_OP_ERRORS, Source, describe_nest, rows
 from tower_train.errors import TrainingError, UsageError
 from tower_train.hooks import Hook, UpdateEvent
