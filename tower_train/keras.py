@@ -14,9 +14,10 @@ callbacks, the History and the progress bar. docs/keras.md maps every argument:
 - `batch_size` is examples per micro-step across all towers (each tower takes batch_size / N);
   an update covers G = batch_size x accum examples, as Keras's fit at batch_size x accum, and a
   step, as Keras counts it, is one update: an epoch is ceil(n / G) updates.
-- The loss is the compiled loss as Keras computes it over one batch of G: sample_weight and
-  class_weight multiply each example's loss, the sum is divided by the number of losses (Keras's
-  "sum_over_batch_size"), the model's regularization losses are added once. The weights travel
+- The loss is the compiled loss as Keras computes it over one batch of G (one, or one per
+  output with loss_weights; keras_loss.py): sample_weight and class_weight multiply each
+  example's loss, the sum is divided by the number of losses (Keras's "sum_over_batch_size"),
+  the model's regularization losses are added once. The weights travel
   with the targets (as `(y, sample_weight)`) so that the run's weighted mean, with every example
   weighing 1, is that quotient.
 - The optimizer is a copy of the compiled one (its rate or schedule, its clipping); afterwards
@@ -24,8 +25,8 @@ callbacks, the History and the progress bar. docs/keras.md maps every argument:
   `evaluate`, `predict` and `save` work at once.
 - Metrics are the compiled ones, computed by the model's own `compute_metrics`: on each update's
   examples with the weights the update started from (in inference mode), and on the validation
-  data by the model's own `evaluate` at the end of each validated epoch; History's keys are
-  Keras's (loss, the metrics' names, val_*).
+  data by the model's own `evaluate` at the end of each validated epoch, which tells the
+  callbacks on_test_*; History's keys are Keras's (loss, the metrics' names, val_*).
 - Checkpoints only when `train_dir=` is given; otherwise a temporary one, removed at the end, so
   a rerun trains afresh.
 """
@@ -98,7 +99,7 @@ def fit(model: keras.Model, x: Any = None, y: Any = None, batch_size: int | None
                             "epoch; Keras's fit with shuffle=True would shuffle them",
                             type(x).__name__)
         x, y, sample_weight, batch_size = read_dataset(x, y, sample_weight, batch_size,
-                                                        validation_split)
+                                                       validation_split)
         shuffle = False  # a dataset's order is its own
     batch_size = DEFAULT_BATCH_SIZE if batch_size is None else batch_size
     for name, value, least in (("batch_size", batch_size, 1), ("num_gpus", num_gpus, 0),

@@ -37,6 +37,7 @@ class CompiledLoss:
         self._shapes = [tuple(output.shape[1:]) for output in _in_order(outputs, self._names)]
         self._sizes = [math.prod(shape) for shape in self._shapes]
         self.several_outputs = len(self._names) > 1
+        self._packed = tf.nest.is_nested(outputs)  # by KerasModel.call, a list of one too
         first = _in_order(targets, self._names, "y")
         losses = _per_output(model.loss, self._names, "loss")
         weights = _per_output(model.get_compile_config().get("loss_weights"), self._names,
@@ -59,7 +60,7 @@ class CompiledLoss:
     def __call__(self, targets: tuple[Any, tf.Tensor], outputs: tf.Tensor) -> tf.Tensor:
         y, sample_weight = targets
         y = _in_order(y, self._names, "y")
-        if self.several_outputs:  # packed by KerasModel.call
+        if self._packed:
             parts = tf.split(outputs, self._sizes, axis=-1)
             outputs = [tf.reshape(part, [-1, *shape]) for part, shape in
                        zip(parts, self._shapes, strict=True)]
@@ -107,7 +108,7 @@ def _in_order(values: Any, names: list[str], what: str = "outputs") -> list:
             raise UsageError(f"{what}: has no {', '.join(missing)} for the model's outputs "
                              f"{names}")
         return [values[name] for name in names] if not missing else list(values.values())
-    if isinstance(values, (list, tuple)) and len(names) > 1:
+    if isinstance(values, (list, tuple)) and (len(names) > 1 or len(values) == 1):
         if len(values) != len(names):
             raise UsageError(f"{what}: {len(values)} values for the model's {len(names)} "
                              f"outputs {names}")
