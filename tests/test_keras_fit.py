@@ -31,6 +31,12 @@ def softmax() -> keras.Model:
     return dense(keras.Input((5,)), 3, "softmax")
 
 
+def output_list() -> keras.Model:
+    """The softmax network, its output given as a list of one, as a functional model may."""
+    network = softmax()
+    return keras.Model(network.inputs, [network.outputs[0]])
+
+
 def two_inputs() -> keras.Model:
     return dense({"a": keras.Input((4,), name="a"), "b": keras.Input((3,), name="b")}, 3, "softmax")
 
@@ -44,7 +50,7 @@ def data(case: str, seed: int = 0):
     classes = rng.integers(0, 3, EXAMPLES)
     if case == "binary":
         return rng.normal(size=(EXAMPLES, 5)).astype(np.float32), classes % 2
-    if case == "softmax":  # one-hot float labels
+    if case in ("softmax", "output_list"):  # one-hot float labels
         return rng.normal(size=(EXAMPLES, 5)).astype(np.float32), np.eye(3, dtype=np.float32)[classes]
     inputs = {"a": rng.normal(size=(EXAMPLES, 4)).astype(np.float32),
               "b": rng.normal(size=(EXAMPLES, 3)).astype(np.float32)}
@@ -53,6 +59,7 @@ def data(case: str, seed: int = 0):
 
 CASES = {"binary": (binary, "binary_crossentropy", dict(class_weight={0: 1.0, 1: 3.0})),
          "softmax": (softmax, "categorical_crossentropy", {}),
+         "output_list": (output_list, "categorical_crossentropy", {}),
          "two_inputs": (two_inputs, "sparse_categorical_crossentropy", {}),
          "input_list": (input_list, "sparse_categorical_crossentropy",
                         dict(sample_weight=np.linspace(0.0, 2.0, EXAMPLES)))}
