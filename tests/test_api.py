@@ -371,3 +371,47 @@ def test_a_script_whose_stderr_is_no_terminal_gets_a_progress_line_every_log_eve
     assert f"resumed from {tmp_path / 'run' / 'ckpt-3'} at step 3" in lines[1]
     assert not any(line.startswith("resumed from") for line in lines[0])
     assert any(line.startswith("done: step 5") for line in lines[1])
+
+
+def test_fit_on_fewer_towers_than_create_devices_made_says_so_naming_num_gpus(
+        tmp_path, caplog, monkeypatch):
+    """create_devices(num_gpus=2), then fit without num_gpus: one tower trains, and one warning
+    line says so and names the option; a fit with num_gpus=2 says nothing."""
+    monkeypatch.setattr(api, "_created_num_gpus", None)  # this process's earlier calls aside
+    tower_train.create_devices(num_gpus=2)
+    for num_gpus, said in ((None, True), (2, False)):
+        caplog.clear()
+        layout = {} if num_gpus is None else {"num_gpus": num_gpus}
+        result = tower_train.fit(model=FiveLogits, data=arrays(classes=5), batch_size=4,
+                                 max_steps=1, train_dir=tmp_path / f"run{num_gpus}", **layout)
+        assert result.step == 1
+        warnings = [r.getMessage() for r in caplog.records if "create_devices" in r.getMessage()]
+        assert warnings == ([
+            "fit: trains on num_gpus=1, where create_devices made the devices for num_gpus=2; "
+            "pass num_gpus=2 to fit to train on them"] if said else [])
+
+
+def test_tensorflows_own_info_lines_stay_dropped_where_fit_shows_its_own(caplog):
+    """log_shown raises absl's logger to INFO for the run's lines; TensorFlow's INFO lines (its
+    "Sharding callback duration" at every checkpoint) stay below the script's level, the
+    script's own INFO lines through absl are shown as the run's are."""
+    from absl import logging as absl_logging
+
+    absl = absl_logging.get_absl_logger()
+    level = absl.level
+    absl.setLevel(logging.WARNING)
+    tensorflows = os.path.join(os.path.dirname(tf.__file__), "python", "checkpoint",
+                               "functional_saver.py")
+    try:
+        with api.log_shown():
+            caplog.clear()
+            absl.handle(absl.makeRecord("absl", logging.INFO, tensorflows, 440,
+                                        "Sharding callback duration: %s microseconds", (7,), None))
+            absl.handle(absl.makeRecord("absl", logging.WARNING, tensorflows, 1, "TF's warning",
+                                        (), None))
+            absl_logging.info("the script's own line")
+        assert absl.level == logging.WARNING and not absl.filters
+    finally:
+        absl.setLevel(level)
+    assert [r.getMessage() for r in caplog.records if r.name == "absl"] == [
+        "TF's warning", "the script's own line"]

@@ -31,6 +31,12 @@ def softmax() -> keras.Model:
     return dense(keras.Input((5,)), 3, "softmax")
 
 
+def output_list() -> keras.Model:
+    """The softmax network, its output given as a list of one, as a functional model may."""
+    network = softmax()
+    return keras.Model(network.inputs, [network.outputs[0]])
+
+
 def two_inputs() -> keras.Model:
     return dense({"a": keras.Input((4,), name="a"), "b": keras.Input((3,), name="b")}, 3, "softmax")
 
@@ -44,7 +50,7 @@ def data(case: str, seed: int = 0):
     classes = rng.integers(0, 3, EXAMPLES)
     if case == "binary":
         return rng.normal(size=(EXAMPLES, 5)).astype(np.float32), classes % 2
-    if case == "softmax":  # one-hot float labels
+    if case in ("softmax", "output_list"):  # one-hot float labels
         return rng.normal(size=(EXAMPLES, 5)).astype(np.float32), np.eye(3, dtype=np.float32)[classes]
     inputs = {"a": rng.normal(size=(EXAMPLES, 4)).astype(np.float32),
               "b": rng.normal(size=(EXAMPLES, 3)).astype(np.float32)}
@@ -53,6 +59,7 @@ def data(case: str, seed: int = 0):
 
 CASES = {"binary": (binary, "binary_crossentropy", dict(class_weight={0: 1.0, 1: 3.0})),
          "softmax": (softmax, "categorical_crossentropy", {}),
+         "output_list": (output_list, "categorical_crossentropy", {}),
          "two_inputs": (two_inputs, "sparse_categorical_crossentropy", {}),
          "input_list": (input_list, "sparse_categorical_crossentropy",
                         dict(sample_weight=np.linspace(0.0, 2.0, EXAMPLES)))}
@@ -93,6 +100,49 @@ def test_weights_equal_kerass_fit_at_batch_size_times_accum(case, mode, tmp_path
         unweighted = compiled(make, initial, loss)
         unweighted.fit(x, y, batch_size=B * K, epochs=EPOCHS, shuffle=False, verbose=0)
         assert np.abs(unweighted.get_weights()[0] - model.get_weights()[0]).max() > 1e-3
+
+
+def two_outputs() -> keras.Model:
+    """A functional model of two named outputs: 3 classes and a 1-unit sigmoid."""
+    inputs = keras.Input((5,))
+    hidden = keras.layers.Dense(8, activation="tanh")(inputs)
+    return keras.Model(inputs, [keras.layers.Dense(3, activation="softmax", name="kind")(hidden),
+                                keras.layers.Dense(1, activation="sigmoid", name="flag")(hidden)])
+
+
+@pytest.mark.parametrize("targets,weighted", [("dict", False), ("list", True)])
+def test_a_loss_per_output_with_loss_weights_equals_kerass_fit(targets, weighted):
+    """compile(loss={...}, loss_weights={...}) on a model of two outputs, y a dict by output name
+    or a list: the weights, and the History (loss, each output's loss, their val_), of Keras's
+    fit at batch_size x accum. (Keras's own fit fails on a dict y with sample_weight and
+    metrics, KeyError 0 in its compile_utils, so the dict goes unweighted.)"""
+    keras.utils.set_random_seed(15)
+    initial = two_outputs().get_weights()
+    x, classes = data("two_inputs", seed=12)[0]["a"], data("two_inputs", seed=12)[1]
+    x = np.concatenate([x, x[:, :1]], axis=1)  # 5 features
+    y = {"kind": classes, "flag": (classes == 1).astype(np.float32)}
+    if targets == "list":
+        y = [y["kind"], y["flag"]]
+
+    def model():
+        made = two_outputs()
+        made.set_weights(initial)
+        made.compile(optimizer=keras.optimizers.Adam(1e-2),
+                     loss={"kind": "sparse_categorical_crossentropy", "flag": "binary_crossentropy"},
+                     loss_weights={"kind": 1.0, "flag": 0.25}, metrics={"kind": ["accuracy"]})
+        return made
+
+    options = dict(epochs=EPOCHS, shuffle=False, verbose=0, validation_split=0.25,
+                   sample_weight=np.linspace(0.5, 1.5, EXAMPLES) if weighted else None)
+    reference = model()
+    want = reference.fit(x, y, batch_size=B * K, **options)
+    trained = model()
+    history = tower_train.keras.fit(trained, x, y, batch_size=B, **options, **LAYOUT)
+    for got, expected in zip(trained.get_weights(), reference.get_weights(), strict=True):
+        np.testing.assert_allclose(got, expected, atol=1e-4)
+    assert sorted(history.history) == sorted(want.history)
+    for key, values in want.history.items():
+        np.testing.assert_allclose(history.history[key], values, rtol=1e-4, err_msg=key)
 
 
 def test_metrics_and_validation_are_kerass_with_kerass_names():
@@ -139,6 +189,15 @@ class Recorder(keras.callbacks.Callback):
     def on_train_end(self, logs=None):
         self._note("train_end")
 
+    def on_test_begin(self, logs=None):
+        self._note("test_begin")
+
+    def on_test_batch_end(self, batch, logs=None):
+        self._note("test_batch_end", batch, logs)
+
+    def on_test_end(self, logs=None):
+        self._note("test_end", None, logs)
+
 
 def learning_rate_callbacks():
     """A schedule by epoch, and a plateau that never improves (mode="max" on a falling loss), so
@@ -174,6 +233,31 @@ def test_callbacks_get_kerass_epochs_and_batches_and_set_the_rate_of_the_next_up
     written = [path.relative_to(tmp_path / "board").parts[0]
                for path in (tmp_path / "board").rglob("events.out.tfevents.*")]
     assert "train" in written
+
+
+def test_the_validation_tells_the_callbacks_on_test_calls_at_validation_batch_size():
+    """The held-out evaluation of each epoch calls on_test_begin, on_test_batch_end and
+    on_test_end(logs) as Keras's fit does, in batches of validation_batch_size (16 held-out
+    examples in batches of 4: 4 test batches), and the logs have Keras's names."""
+    keras.utils.set_random_seed(12)
+    initial = softmax().get_weights()
+    x, y = data("softmax", seed=9)
+    options = dict(epochs=EPOCHS, shuffle=False, verbose=0, validation_split=0.25,
+                   validation_batch_size=4)
+    keras_recorder, recorder = Recorder(), Recorder()
+    want = compiled(softmax, initial, "categorical_crossentropy", ["accuracy"]).fit(
+        x, y, batch_size=B * K, callbacks=[keras_recorder], **options)
+    history = tower_train.keras.fit(
+        compiled(softmax, initial, "categorical_crossentropy", ["accuracy"]), x, y,
+        batch_size=B, callbacks=[recorder], **options, **LAYOUT)
+    assert recorder.calls == keras_recorder.calls
+    tests = [call for call in recorder.calls if call[0].startswith("test_")]
+    assert [call[:2] for call in tests[:6]] == [
+        ("test_begin", None), *(("test_batch_end", batch) for batch in range(4)),
+        ("test_end", None)]
+    assert tests[5][2] == ["accuracy", "loss"] and len(tests) == 12  # 2 epochs
+    for key, values in want.history.items():
+        np.testing.assert_allclose(history.history[key], values, rtol=1e-4, err_msg=key)
 
 
 def printed(capsys, train) -> list[str]:
@@ -375,7 +459,8 @@ def test_a_train_dir_keeps_checkpoints_and_a_rerun_resumes_there(tmp_path):
     model = compiled(softmax, initial, "categorical_crossentropy")
     stopped = tower_train.keras.fit(model, x, y, callbacks=[StopAfter(1)], train_dir=tmp_path,
                                     **options)
-    assert stopped.epoch == [] and int(model.optimizer.iterations) == 2  # within epoch 0
+    # Stopped within epoch 0, which then ends, as Keras's fit ends it.
+    assert stopped.epoch == [0] and int(model.optimizer.iterations) == 2
     assert (tmp_path / "ckpt-2.index").exists()
     resumed = tower_train.keras.fit(compiled(softmax, initial, "categorical_crossentropy"), x, y,
                                     train_dir=tmp_path, **options)
@@ -396,6 +481,66 @@ def test_a_second_fit_continues_the_optimizers_state_as_kerass_does():
     assert int(model.optimizer.iterations) == int(reference.optimizer.iterations) == 8
     for got, expected in zip(model.get_weights(), reference.get_weights(), strict=True):
         np.testing.assert_allclose(got, expected, atol=1e-4)
+
+
+class InterruptAt(keras.callbacks.Callback):
+    """Raises at the beginning of epoch `epoch`, as a killed job would end (Keras's
+    BackupAndRestore example)."""
+
+    def __init__(self, epoch: int):
+        super().__init__()
+        self.epoch = epoch
+
+    def on_epoch_begin(self, epoch, logs=None):
+        if epoch == self.epoch:
+            raise RuntimeError("interrupted")
+
+
+def test_backup_and_restore_resumes_an_interrupted_run_as_kerass_does(tmp_path):
+    """Interrupted at epoch 2 of 4, a rerun with the same BackupAndRestore trains epochs 2 and 3
+    from the backed-up weights and optimizer state: the weights of Keras's fit doing the same."""
+    keras.utils.set_random_seed(13)
+    initial = softmax().get_weights()
+    x, y = data("softmax", seed=10)
+    options = dict(epochs=4, shuffle=False, verbose=0)
+
+    def interrupted_then_resumed(train, backup, batch_size):
+        model = compiled(softmax, initial, "categorical_crossentropy")
+        with pytest.raises((RuntimeError, tower_train.UsageError), match="interrupted"):
+            train(model, x, y, batch_size=batch_size, **options,
+                  callbacks=[keras.callbacks.BackupAndRestore(str(backup)), InterruptAt(2)])
+        model = compiled(softmax, initial, "categorical_crossentropy")
+        history = train(model, x, y, batch_size=batch_size, **options,
+                        callbacks=[keras.callbacks.BackupAndRestore(str(backup))])
+        return model, history
+
+    reference, want = interrupted_then_resumed(
+        lambda model, *args, **kwargs: model.fit(*args, **kwargs), tmp_path / "keras", B * K)
+    model, history = interrupted_then_resumed(
+        lambda model, *args, **kwargs: tower_train.keras.fit(model, *args, **kwargs, **LAYOUT),
+        tmp_path / "ours", B)
+    assert history.epoch == want.epoch == [2, 3]
+    assert int(model.optimizer.iterations) == int(reference.optimizer.iterations) == 16
+    for got, expected in zip(model.get_weights(), reference.get_weights(), strict=True):
+        np.testing.assert_allclose(got, expected, atol=1e-4)
+    assert not (tmp_path / "ours").exists()  # deleted at the end, as by Keras
+
+
+def test_a_nan_loss_stops_the_run_before_the_weights_take_it(caplog):
+    """With TerminateOnNaN, Keras's fit applies the NaN update, then stops; here the update is
+    never applied (--nonfinite=stop): the run stops with a TrainingError naming the update, the
+    model keeps the weights of the updates before it."""
+    keras.utils.set_random_seed(14)
+    x, y = data("binary", seed=11)
+    x[2 * B * K] = np.nan  # in the third update
+    model = compiled(binary, binary().get_weights(), "binary_crossentropy")
+    before = model.get_weights()
+    with pytest.raises(tower_train.TrainingError, match="update 3 has a non-finite loss"):
+        tower_train.keras.fit(model, x, y, batch_size=B, shuffle=False, verbose=0,
+                              callbacks=[keras.callbacks.TerminateOnNaN()], **LAYOUT)
+    trained = model.get_weights()
+    assert all(np.isfinite(weight).all() for weight in trained)
+    assert np.abs(trained[0] - before[0]).max() > 1e-3  # the two updates before it were applied
 
 
 # keras-io examples, their data sets replaced by random arrays of the same shapes (fewer), each

@@ -455,3 +455,23 @@ def test_an_optimizer_object_trains_a_copy_of_itself(sequential_reference, tmp_p
                     train_dir=tmp_path / "run", optimizer=optimizer, max_steps=UPDATES, ema_decay=0.0)
     assert_same_weights(model.get_weights(), expected)
     assert not optimizer.built
+
+
+def test_float16_layers_in_a_run_that_scales_no_loss_are_named_in_one_warning(tmp_path, caplog):
+    """A mixed_float16 layer in an fp32 run computes in float16 without loss scaling: one line
+    names it and what to do; a float32 model gets no such line."""
+    keras.utils.set_random_seed(16)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    half = keras.Sequential([keras.Input((FEATURES,)),
+                             keras.layers.Dense(8, activation="tanh", dtype="mixed_float16",
+                                                name="half"),
+                             keras.layers.Dense(CLASSES, dtype="float32")])
+    for model, said in ((sequential(), False), (half, True)):
+        caplog.clear()
+        tower_fit(model, loss, tmp_path / str(said), max_steps=1)
+        warnings = [r.getMessage() for r in caplog.records if "float16" in r.getMessage()]
+        assert len(warnings) == said, warnings
+        assert not said or warnings[0].endswith(
+            ": half compute in float16 (their dtype policy), but the loss is scaled only "
+            "with --precision=fp16 (this run: fp32), so small gradients may underflow to 0; make "
+            "the model under float32, or train with precision='fp16' and model=lambda: ...")

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import os
 import sys
 from typing import Iterator
 
@@ -40,6 +41,8 @@ _KERAS_FIT_ARGUMENTS = {
 }
 # The options that make the rate of --optimizer's optimizer; an optimizer object has its own.
 _RATE_OPTIONS = ("learning_rate", "lr_schedule", "warmup_steps", "scale_lr")
+# The num_gpus of this process's last create_devices call, which a fit on fewer towers leaves idle.
+_created_num_gpus: int | None = None
 
 
 def make_config(options: dict) -> TrainConfig:
@@ -92,7 +95,21 @@ def create_devices(**options) -> None:
     Raises:
       UsageError: an unknown or bad option, or devices the runtime, already started, lacks.
     """
-    prepare_devices(make_config(options))
+    global _created_num_gpus
+    config = make_config(options)
+    prepare_devices(config)
+    _created_num_gpus = config.num_gpus
+
+
+def _warn_unused_devices(config: TrainConfig) -> None:
+    """One line when create_devices made towers for another num_gpus than this fit's: a fit
+    without num_gpus= trains one tower, whatever create_devices made."""
+    from absl import logging as absl_logging
+
+    if _created_num_gpus is not None and _created_num_gpus != config.num_gpus:
+        absl_logging.warning("fit: trains on num_gpus=%d, where create_devices made the devices "
+                             "for num_gpus=%d; pass num_gpus=%d to fit to train on them",
+                             config.num_gpus, _created_num_gpus, _created_num_gpus)
 
 
 def prepare_devices(config: TrainConfig, announce: bool = False):
@@ -270,6 +287,7 @@ def fit(model: object = None, data: object = None, *, num_classes: int | None = 
     """
     optimizer = optimizer_object(options)
     config, model, data = config_and_objects(model, data, options)
+    _warn_unused_devices(config)
     if callbacks is not None:
         from tower_train.callbacks import check_callbacks
 
@@ -308,19 +326,28 @@ def log_shown() -> Iterator[None]:
     a log file, a CI log or a notebook then gets the run's lines as the command line's log does,
     through absl's handler or, where logging has none, the stderr handler that absl's first line
     sets up. A level set above INFO is raised too: TensorFlow sets WARNING after saving a
-    SavedModel, which cannot be told from a user's choice (show_progress=False keeps it)."""
+    SavedModel, which cannot be told from a user's choice (show_progress=False keeps it).
+    TensorFlow's own lines below the level it had (its "Sharding callback duration" at every
+    checkpoint) stay dropped: only the run's are meant to show."""
     from absl import logging as absl_logging
 
     logger = absl_logging.get_absl_logger()
     if logger.isEnabledFor(logging.INFO):  # the CLI's INFO, or a lower level
         yield
         return
-    level = logger.level
+    level = logger.getEffectiveLevel()
+    set_level = logger.level
+
+    def not_tensorflows(record: logging.LogRecord) -> bool:
+        return record.levelno >= level or f"{os.sep}tensorflow{os.sep}" not in record.pathname
+
     logger.setLevel(logging.INFO)
+    logger.addFilter(not_tensorflows)
     try:
         yield
     finally:
-        logger.setLevel(level)
+        logger.removeFilter(not_tensorflows)
+        logger.setLevel(set_level)
 
 
 def _fit(config: TrainConfig, worker, model, loss, optimizer, data, num_classes, callbacks,

@@ -14,9 +14,10 @@ callbacks, the History and the progress bar. docs/keras.md maps every argument:
 - `batch_size` is examples per micro-step across all towers (each tower takes batch_size / N);
   an update covers G = batch_size x accum examples, as Keras's fit at batch_size x accum, and a
   step, as Keras counts it, is one update: an epoch is ceil(n / G) updates.
-- The loss is the compiled loss as Keras computes it over one batch of G: sample_weight and
-  class_weight multiply each example's loss, the sum is divided by the number of losses (Keras's
-  "sum_over_batch_size"), the model's regularization losses are added once. The weights travel
+- The loss is the compiled loss as Keras computes it over one batch of G (one, or one per
+  output with loss_weights; keras_loss.py): sample_weight and class_weight multiply each
+  example's loss, the sum is divided by the number of losses (Keras's "sum_over_batch_size"),
+  the model's regularization losses are added once. The weights travel
   with the targets (as `(y, sample_weight)`) so that the run's weighted mean, with every example
   weighing 1, is that quotient.
 - The optimizer is a copy of the compiled one (its rate or schedule, its clipping); afterwards
@@ -24,8 +25,8 @@ callbacks, the History and the progress bar. docs/keras.md maps every argument:
   `evaluate`, `predict` and `save` work at once.
 - Metrics are the compiled ones, computed by the model's own `compute_metrics`: on each update's
   examples with the weights the update started from (in inference mode), and on the validation
-  data by the model's own `evaluate` at the end of each validated epoch; History's keys are
-  Keras's (loss, the metrics' names, val_*).
+  data by the model's own `evaluate` at the end of each validated epoch, which tells the
+  callbacks on_test_*; History's keys are Keras's (loss, the metrics' names, val_*).
 - Checkpoints only when `train_dir=` is given; otherwise a temporary one, removed at the end, so
   a rerun trains afresh.
 """
@@ -46,7 +47,8 @@ from tower_train.array_source import ArraySource
 from tower_train.callbacks import check_callbacks
 from tower_train.config import TrainConfig
 from tower_train.errors import UsageError
-from tower_train.keras_model import per_label_loss
+from tower_train.keras_data import read_dataset, split_data
+from tower_train.keras_loss import CompiledLoss
 
 # The options this module sets from Keras's arguments and compile(), and where each comes from.
 _SET_HERE = {
@@ -67,8 +69,8 @@ def fit(model: keras.Model, x: Any = None, y: Any = None, batch_size: int | None
         validation_data: Any = None, shuffle: bool = True, class_weight: dict | None = None,
         sample_weight: np.ndarray | None = None, initial_epoch: int = 0,
         steps_per_epoch: int | None = None, validation_steps: int | None = None,
-        validation_freq: int = 1, *, num_gpus: int = 1, accum: int = 1,
-        **options) -> keras.callbacks.History:
+        validation_batch_size: int | None = None, validation_freq: int = 1, *,
+        num_gpus: int = 1, accum: int = 1, **options) -> keras.callbacks.History:
     """Trains the compiled `model` as `model.fit` with these arguments would, on `num_gpus`
     towers accumulating `accum` micro-steps per update (module docstring; docs/keras.md).
 
@@ -76,7 +78,8 @@ def fit(model: keras.Model, x: Any = None, y: Any = None, batch_size: int | None
       model: a compiled keras.Model (not a tower_train.TowerModel); it gets the trained weights.
       x, y, batch_size, epochs, verbose, callbacks, validation_split, validation_data, shuffle,
         class_weight, sample_weight, initial_epoch, steps_per_epoch, validation_steps,
-        validation_freq: Keras's (x and y numpy arrays; x may be a dict, list or tuple of them);
+        validation_batch_size, validation_freq: Keras's (x and y numpy arrays; x may be a
+        dict, list or tuple of them);
         batch_size counts the examples of one micro-step across all towers.
       num_gpus, accum: the towers N and the micro-steps K of each update.
       **options: any other option of `tower_train.fit` (train_dir, mode, ps_device, seed, ...).
@@ -95,29 +98,38 @@ def fit(model: keras.Model, x: Any = None, y: Any = None, batch_size: int | None
             logging.warning("tower_train.keras.fit: %s is trained in its own order of batches every "
                             "epoch; Keras's fit with shuffle=True would shuffle them",
                             type(x).__name__)
-        x, y, sample_weight, batch_size = _read_dataset(x, y, sample_weight, batch_size,
-                                                        validation_split)
+        x, y, sample_weight, batch_size = read_dataset(x, y, sample_weight, batch_size,
+                                                       validation_split)
         shuffle = False  # a dataset's order is its own
     batch_size = DEFAULT_BATCH_SIZE if batch_size is None else batch_size
     for name, value, least in (("batch_size", batch_size, 1), ("num_gpus", num_gpus, 0),
                                ("accum", accum, 1)):
         _whole_number(name, value, least)
+    if validation_batch_size is not None:
+        _whole_number("validation_batch_size", validation_batch_size, 1)
     towers = max(num_gpus, 1)
     if batch_size % towers:
         raise UsageError(f"batch_size={batch_size}: examples per micro-step across all towers, so "
                          f"it must be a multiple of num_gpus={num_gpus} (each tower takes "
                          "batch_size / num_gpus)")
-    (features, targets, weights), held_out = _split_data(
+    (features, targets, weights), held_out = split_data(
         x, y, sample_weight, class_weight, validation_split, validation_data)
+    names = list(getattr(model, "output_names", None) or [])
+    if isinstance(targets, (list, tuple)) and len(names) == len(targets) > 1:
+        targets = dict(zip(names, targets))  # ArraySource takes no list of arrays in a tuple
     source = ArraySource(features, (targets, weights), shuffle=shuffle, name="arrays")
     update_examples = batch_size * accum
     per_epoch = steps_per_epoch
     if steps_per_epoch is None:
         per_epoch = math.ceil(source.train_size / update_examples)
     _whole_number("steps_per_epoch", per_epoch, 1)
+    loss = CompiledLoss(model, *tf.nest.map_structure(lambda a: a[:1], (features, targets)))
+    callbacks = [] if callbacks is None else check_callbacks(callbacks)
+    initial_epoch = _restored_epoch(model, callbacks, initial_epoch)
     loop = _KerasFitLoop(model, callbacks, verbose, epochs, initial_epoch, per_epoch, held_out,
-                         validation_freq, validation_steps, batch_size, source,
-                         options.get("seed", TrainConfig.seed), update_examples)
+                         validation_freq, validation_steps, validation_batch_size or batch_size,
+                         source, options.get("seed", TrainConfig.seed), update_examples,
+                         loss.several_outputs)
     if epochs <= initial_epoch:  # as Keras: nothing to train
         loop.list.on_train_begin()
         loop.list.on_train_end()
@@ -129,13 +141,13 @@ def fit(model: keras.Model, x: Any = None, y: Any = None, batch_size: int | None
     if given_dir is None:  # nothing resumes from it: only the save at the end, which is required
         options.setdefault("checkpoint_every", (epochs - initial_epoch) * per_epoch)
     try:
-        first = tf.nest.map_structure(lambda a: a[:1], (features, targets))
         # Tower mode trains the model itself, wherever Keras made its weights, as Keras's fit
         # does (a model whose layers Keras cannot remake from their config trains too); a
         # strategy must make its own copy of the weights, so it trains a clone.
         in_place = options.get("mode", TrainConfig.mode) == TrainConfig.mode
-        api.fit(model=(lambda: model) if in_place else model, loss=CompiledLoss(model, *first), optimizer=model.optimizer, data=source,
-                callbacks=[loop], show_progress=False, num_gpus=num_gpus, accum=accum, batch_size=batch_size // towers,
+        api.fit(model=(lambda: model) if in_place else model, loss=loss,
+                optimizer=model.optimizer, data=source, callbacks=[loop], show_progress=False,
+                num_gpus=num_gpus, accum=accum, batch_size=batch_size // towers,
                 max_steps=(epochs - initial_epoch) * per_epoch, train_dir=train_dir, **options)
     finally:
         # The run gave the trained network its optimizer (callbacks.py); compile()'s goes back.
@@ -182,132 +194,20 @@ def _whole_number(name: str, value: object, least: int) -> None:
         raise UsageError(f"{name}={value!r}: must be a whole number >= {least}")
 
 
-def _read_dataset(dataset: tf.data.Dataset | keras.utils.PyDataset, y, sample_weight, batch_size,
-                  validation_split):
-    """A finite `tf.data.Dataset` or `keras.utils.PyDataset` of batches (x, y) or
-    (x, y, sample_weight), one step's each, read once into arrays: (x, y, sample_weight or None,
-    its batch size)."""
-    kind = "Dataset" if isinstance(dataset, tf.data.Dataset) else type(dataset).__name__
-    for name, value in (("y", y), ("sample_weight", sample_weight), ("batch_size", batch_size),
-                        ("validation_split", validation_split or None)):
-        if value is not None:
-            raise UsageError(f"{name}=: not with x={kind}, whose elements give the batches "
-                             "(x, y[, sample_weight]), as for model.fit")
-    if isinstance(dataset, tf.data.Dataset):
-        finite = dataset.cardinality() != tf.data.INFINITE_CARDINALITY
-        read = lambda: list(dataset.as_numpy_iterator())  # noqa: E731
-    else:
-        finite = dataset.num_batches is not None
-        read = lambda: [tf.nest.map_structure(np.asarray, dataset[index])  # noqa: E731
-                        for index in range(dataset.num_batches)]
-    if not finite:
-        raise UsageError(f"x={kind}: is infinite; tower_train.keras.fit reads it once, into "
-                         "memory, so it must end")
-    elements = [tuple(element) if isinstance(element, list) else element for element in read()]
-    if not elements or not isinstance(elements[0], tuple) or len(elements[0]) not in (2, 3):
-        raise UsageError(f"x={kind}: expected batches (x, y) or (x, y, sample_weight), one per "
-                         "step; it yields " + ("nothing" if not elements else
-                                               type(elements[0]).__name__))
-    sizes = [len(tf.nest.flatten(element)[0]) for element in elements]
-    if any(size != sizes[0] for size in sizes[:-1]) or sizes[-1] > sizes[0]:
-        raise UsageError(f"x={kind}: its batches hold {', '.join(map(str, sizes[:8]))}"
-                         f"{', ...' if len(sizes) > 8 else ''} examples: each step's batch must be "
-                         "full but the last (batch(..., drop_remainder=False) gives that)")
-    arrays = tf.nest.map_structure(lambda *parts: np.concatenate(parts), *elements)
-    return arrays[0], arrays[1], arrays[2] if len(arrays) == 3 else None, sizes[0]
-
-
-def _split_data(x, y, sample_weight, class_weight, validation_split, validation_data):
-    """((x, y, w) to train on, (x, y, w) held out or None) from Keras's data arguments; w is the
-    float32 weight of each example, sample_weight times class_weight's (ones without either)."""
-    if x is not None and not isinstance(x, (np.ndarray, dict, list, tuple)) and not tf.is_tensor(x):
-        raise UsageError(f"x={type(x).__name__}: tower_train.keras.fit takes numpy arrays, or a "
-                         "dict, list or tuple of them, with y, or a batched tf.data.Dataset or a "
-                         "keras.utils.PyDataset (not a generator, which cannot be read again for "
-                         "another epoch or a resume: read it into arrays)")
-    if x is None or y is None:
-        raise UsageError("x and y: tower_train.keras.fit needs both, as numpy arrays")
-    x, y = (tf.nest.map_structure(np.asarray, value) for value in (x, y))
-    if tf.nest.is_nested(y) and class_weight is not None:
-        raise UsageError("class_weight=: Keras takes it only for a model of one output")
-    if sample_weight is not None and class_weight is not None:
-        raise UsageError("sample_weight= and class_weight=: Keras takes one or the other, not both")
-    examples = int(tf.nest.flatten(x)[0].shape[0])
-    weights = np.ones(examples, np.float32)
-    if sample_weight is not None:
-        weights = np.asarray(sample_weight, np.float32)
-        if weights.shape != (examples,):
-            raise UsageError(f"sample_weight {list(weights.shape)}: must be one weight per example, "
-                             f"[{examples}]")
-    if class_weight is not None:
-        if not isinstance(class_weight, dict):
-            raise UsageError(f"class_weight={type(class_weight).__name__}: expected a dict of class "
-                             "index -> weight")
-        weights = _class_weights(y, class_weight)
-    if not 0.0 <= validation_split < 1.0:
-        raise UsageError(f"validation_split={validation_split!r}: must be in [0, 1)")
-    held_out = None
-    if isinstance(validation_data, tf.data.Dataset):
-        held_out = (validation_data, None, None)  # the model's evaluate reads it as it is
-    elif validation_data is not None:
-        if not isinstance(validation_data, tuple) or len(validation_data) not in (2, 3):
-            raise UsageError(f"validation_data={type(validation_data).__name__}: expected a tuple "
-                             "(x, y) or (x, y, sample_weight) of numpy arrays, or a tf.data.Dataset")
-        held_out = (*validation_data, None)[:3]
-    elif validation_split:
-        # Keras's: the last fraction of the arrays, before any shuffling.
-        cut = int(math.floor(examples * (1.0 - validation_split)))
-        if cut in (0, examples):
-            raise UsageError(f"validation_split={validation_split}: leaves no example to "
-                             f"{'train on' if cut == 0 else 'validate'} of {examples}")
-        part = lambda nest, rows: tf.nest.map_structure(lambda a: a[rows], nest)  # noqa: E731
-        held_out = (part(x, slice(cut, None)), part(y, slice(cut, None)), weights[cut:]
-                    if sample_weight is not None else None)
-        x, y, weights = part(x, slice(None, cut)), part(y, slice(None, cut)), weights[:cut]
-    return (x, y, weights), held_out
-
-
-def _class_weights(y: np.ndarray, class_weight: dict) -> np.ndarray:
-    """Each example's weight from its class, as Keras finds it: the argmax of a one-hot row, the
-    value of a [n, 1] or [n] label, rounded."""
-    classes = y if y.ndim == 1 else (np.argmax(y, axis=-1) if y.shape[-1] != 1 else y[:, 0])
-    classes = np.round(classes).astype(np.int64)
-    return np.array([class_weight.get(int(c), 1.0) for c in classes], np.float32)
-
-
-class CompiledLoss:
-    """The model's compiled loss (one output) as the per-example loss of `tower_train.fit`, for
-    targets `(y, sample_weight)`: the Keras loss with reduction none and the sample weights, as
-    Keras weighs them, then each example's mean over its other axes, times compile()'s
-    loss_weights. With every example weighing 1 in the run, an update's weighted mean of these
-    is Keras's "sum_over_batch_size" of the whole update's losses."""
-
-    def __init__(self, model: keras.Model, features: Any, targets: Any):
-        """`features` and `targets`: the first examples, which tell the "crossentropy" alias
-        which crossentropy it is, as compile() tells it from the first batch."""
-        from keras.src.trainers.compile_utils import get_loss  # compile()'s own resolution
-
-        loss = model.loss
-        if isinstance(loss, (dict, list, tuple)):
-            raise UsageError(f"model {model.name}: is compiled with a loss per output; "
-                             "tower_train.keras.fit takes one loss, for one output, so far")
-        # A name or a function becomes the Loss object compile() makes of it (LossFunctionWrapper,
-        # which brings labels and outputs to the same rank: [n] labels for [n, 1] sigmoids).
-        loss = get_loss(loss, targets, model(features, training=False))
-        if loss.reduction != "sum_over_batch_size":
-            raise UsageError(f"loss={type(loss).__name__}(reduction={loss.reduction!r}): "
-                             "tower_train.keras.fit takes Keras's default reduction, "
-                             "'sum_over_batch_size'")
-        self._unreduced = per_label_loss(loss)[0]
-        weight = model.get_compile_config().get("loss_weights")
-        self._weight = 1.0 if weight is None else float(weight)
-
-    def __call__(self, targets: tuple[Any, tf.Tensor], outputs: tf.Tensor) -> tf.Tensor:
-        y, sample_weight = targets
-        losses = tf.convert_to_tensor(self._unreduced(y, outputs, sample_weight=sample_weight))
-        if losses.shape.rank > 1:
-            losses = tf.reduce_mean(losses, axis=list(range(1, losses.shape.rank)))
-        return losses * self._weight
+def _restored_epoch(model: keras.Model, callbacks: list, initial_epoch: int) -> int:
+    """The epoch to start from: where a `keras.callbacks.BackupAndRestore` left off, else
+    `initial_epoch`. Keras's fit reads it from the model after the callbacks' on_train_begin,
+    which restores the weights and sets `model._initial_epoch`; the run's length depends on it,
+    so here a BackupAndRestore restores before the run (and again, idempotently, when the run
+    begins, into the network it trains)."""
+    restoring = [callback for callback in callbacks
+                 if isinstance(callback, keras.callbacks.BackupAndRestore)]
+    for callback in restoring:
+        callback.set_model(model)
+        callback.on_train_begin()
+    restored = getattr(model, "_initial_epoch", None)
+    model._initial_epoch = None  # as Keras's fit leaves it, for a later fit
+    return restored or initial_epoch
 
 
 def _warn_differences(model: keras.Model, towers: int, accum: int, options: dict) -> None:
@@ -343,19 +243,27 @@ class _KerasFitLoop(keras.callbacks.Callback):
 
     def __init__(self, model: keras.Model, callbacks, verbose: int, epochs: int, initial_epoch: int,
                  per_epoch: int, held_out, validation_freq: int, validation_steps: int | None,
-                 batch_size: int, source: ArraySource, seed: int, update_examples: int):
+                 validation_batch_size: int, source: ArraySource, seed: int,
+                 update_examples: int, several_outputs: bool):
         super().__init__()
-        user_callbacks = [] if callbacks is None else check_callbacks(callbacks)
         self.history = keras.callbacks.History()
         self.list = keras.callbacks.CallbackList(
-            [*user_callbacks, self.history], add_history=False, add_progbar=verbose != 0,
+            [*callbacks, self.history], add_history=False, add_progbar=verbose != 0,
             model=model, verbose=verbose, epochs=epochs, steps=per_epoch)
         self._user_model, self._initial_epoch, self._per_epoch = model, initial_epoch, per_epoch
         self._held_out, self._validation_freq = held_out, validation_freq
-        self._validation_steps, self._batch_size = validation_steps, batch_size
+        self._validation_steps, self._validation_batch_size = validation_steps, validation_batch_size
         self._source, self._seed, self._update_examples = source, seed, update_examples
+        config = model.get_compile_config()
+        # The metrics Keras's train step keeps: the compiled ones, and each output's loss when
+        # there are several.
+        self._tracks_metrics = bool(config.get("metrics") or config.get("weighted_metrics")
+                                    or several_outputs)
+        self._several_outputs = several_outputs
         self._loss_sum = 0.0  # of the updates of this epoch that this call applied
         self._epoch_updates: int | None = None  # those updates; None between epochs
+        self._epoch_logs: dict[str, float] = {}  # the epoch's so far
+        self._last_epoch = initial_epoch  # of the last update applied
         self._optimizer_state: list[np.ndarray] | None = None
         # compile()'s, which the run's copy stands in for as the trained network's `optimizer`.
         self.own_optimizer: keras.optimizers.Optimizer = model.optimizer
@@ -388,24 +296,31 @@ class _KerasFitLoop(keras.callbacks.Callback):
 
     def on_train_batch_end(self, step: int, logs=None) -> None:
         epoch, batch = self._place(step)
+        self._last_epoch = epoch
         self._loss_sum += logs["loss"]
         self._epoch_updates += 1
-        epoch_logs = {**self._metrics(), "loss": self._loss_sum / self._epoch_updates}
-        self.list.on_train_batch_end(batch, epoch_logs)
+        self._epoch_logs = {**self._metrics(), "loss": self._loss_sum / self._epoch_updates}
+        self.list.on_train_batch_end(batch, self._epoch_logs)
         if batch == self._per_epoch - 1:
-            self._epoch_updates = None
-            if self._held_out is not None and (epoch + 1) % self._validation_freq == 0:
-                epoch_logs.update(self._validate())
-            self.list.on_epoch_end(epoch, epoch_logs)
+            self._end_epoch(epoch)
+
+    def _end_epoch(self, epoch: int) -> None:
+        """The epoch's end, validated when due, as Keras's fit ends it."""
+        self._epoch_updates = None
+        if self._held_out is not None and (epoch + 1) % self._validation_freq == 0:
+            self._epoch_logs.update(self._validate())
+        self.list.on_epoch_end(epoch, self._epoch_logs)
 
     def on_train_end(self, logs=None) -> None:
+        if self._epoch_updates:  # a callback stopped the run within an epoch: Keras's fit ends it
+            self._end_epoch(self._last_epoch)
         self._optimizer_state = [v.numpy() for v in self.model.optimizer.variables]
         self.list.on_train_end()
 
     def _update_metrics(self, update: int) -> None:
         """The compiled metrics of the user's model updated on update `update`'s (0-based)
         examples, with the outputs of the weights it starts from, as Keras's train step does."""
-        if not self._user_model.metrics or not self._compiled_metrics():
+        if not self._tracks_metrics:
             return
         positions = tf.range(update * self._update_examples, (update + 1) * self._update_examples,
                              dtype=tf.int64)
@@ -413,14 +328,12 @@ class _KerasFitLoop(keras.callbacks.Callback):
         x, (y, weights) = (tf.nest.map_structure(lambda a: a[indices], part) for part in
                            (self._source.train_features, self._source.train_labels))
         outputs = self.model(x, training=False)
+        if self._several_outputs:  # updates each output's loss metric
+            self._user_model.compute_loss(x, y, outputs, sample_weight=weights, training=False)
         self._user_model.compute_metrics(x, y, outputs, sample_weight=weights)
 
-    def _compiled_metrics(self) -> bool:
-        config = self._user_model.get_compile_config()
-        return bool(config.get("metrics") or config.get("weighted_metrics"))
-
     def _metrics(self) -> dict[str, float]:
-        if not self._compiled_metrics():
+        if not self._tracks_metrics:
             return {}
         return {name: float(value) for name, value in self._user_model.get_metrics_result().items()
                 if name != "loss"}
@@ -430,10 +343,12 @@ class _KerasFitLoop(keras.callbacks.Callback):
         fit evaluates it (after the epoch's training metrics were read: it resets them)."""
         self._user_model.set_weights(self.model.get_weights())
         held_x, held_y, held_weights = self._held_out
+        # The callbacks hear on_test_begin, on_test_batch_* and on_test_end(logs) from it, as
+        # from Keras's fit, which hands evaluate its CallbackList.
         results = self._user_model.evaluate(
-            held_x, held_y, sample_weight=held_weights,
-            batch_size=None if isinstance(held_x, tf.data.Dataset) else self._batch_size,
-            steps=self._validation_steps, verbose=0, return_dict=True)
+            held_x, held_y, sample_weight=held_weights, batch_size=None if isinstance(
+                held_x, tf.data.Dataset) else self._validation_batch_size,
+            steps=self._validation_steps, callbacks=self.list, return_dict=True)
         return {f"val_{name}": float(value) for name, value in results.items()}
 
     def hand_back_optimizer(self) -> None:

@@ -18,6 +18,7 @@ from typing import Callable
 
 import keras
 import tensorflow as tf
+from absl import logging
 from keras.src.losses.losses import LossFunctionWrapper  # what compile() wraps a loss name in
 
 from tower_train.errors import UsageError
@@ -41,7 +42,13 @@ class KerasModel(TowerModel):
         self._per_label_loss = loss
 
     def call(self, features: tf.Tensor, training: bool = False) -> tf.Tensor:
-        return self.network(features, training=training)
+        outputs = self.network(features, training=training)
+        if getattr(self._per_label_loss, "packs_outputs", False):
+            # Several outputs as one tensor, which the loss unpacks (keras_loss.py).
+            from tower_train.keras_loss import pack_outputs
+
+            return pack_outputs(outputs)
+        return outputs
 
     def per_example_loss(self, labels: tf.Tensor, logits: tf.Tensor) -> tf.Tensor:
         return self._per_label_loss(labels, tf.cast(logits, tf.float32))
@@ -94,7 +101,18 @@ def unreduced_copy(loss: keras.losses.Loss) -> keras.losses.Loss:
 def check_network(network: keras.Model, what: str, config) -> None:
     """Refuses options a plain Keras model cannot honour, in one line: --recompute (tower-train
     does not know its blocks) and --sync_bn with a BatchNormalization layer made without
-    synchronized=True (only a TowerModel's constructor is handed the option)."""
+    synchronized=True (only a TowerModel's constructor is handed the option). Warns in one line
+    of float16 layers in a run that does not scale the loss (--precision=fp16 does)."""
+    if config.precision != "fp16":
+        half = [layer.name for layer in network._flatten_layers()
+                if layer.compute_dtype == "float16"]
+        if half:
+            logging.warning("%s: %s compute in float16 (their dtype policy), but the loss is scaled "
+                            "only with --precision=fp16 (this run: %s), so small gradients may "
+                            "underflow to 0; make the model under float32, or train with "
+                            "precision='fp16' and model=lambda: ...", what,
+                            ", ".join(half[:5]) + (", ..." if len(half) > 5 else ""),
+                            config.precision)
     if config.recompute:
         raise UsageError(f"--recompute: {what} is a keras.Model, whose blocks tower-train does not "
                          "know; make it a tower_train.TowerModel that runs them through run_block "

@@ -1,0 +1,106 @@
+"""Keras's data arguments of `fit` as arrays for `tower_train.keras.fit` (keras.py): a batched
+`tf.data.Dataset` or `keras.utils.PyDataset` read once into arrays, and x, y, sample_weight,
+class_weight, validation_split and validation_data as the arrays to train on, each example's
+weight, and the held-out data."""
+from __future__ import annotations
+
+import math
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tower_train.errors import UsageError
+
+
+def read_dataset(dataset: tf.data.Dataset | keras.utils.PyDataset, y, sample_weight, batch_size,
+                  validation_split):
+    """A finite `tf.data.Dataset` or `keras.utils.PyDataset` of batches (x, y) or
+    (x, y, sample_weight), one step's each, read once into arrays: (x, y, sample_weight or None,
+    its batch size)."""
+    kind = "Dataset" if isinstance(dataset, tf.data.Dataset) else type(dataset).__name__
+    for name, value in (("y", y), ("sample_weight", sample_weight), ("batch_size", batch_size),
+                        ("validation_split", validation_split or None)):
+        if value is not None:
+            raise UsageError(f"{name}=: not with x={kind}, whose elements give the batches "
+                             "(x, y[, sample_weight]), as for model.fit")
+    if isinstance(dataset, tf.data.Dataset):
+        finite = dataset.cardinality() != tf.data.INFINITE_CARDINALITY
+        read = lambda: list(dataset.as_numpy_iterator())  # noqa: E731
+    else:
+        finite = dataset.num_batches is not None
+        read = lambda: [tf.nest.map_structure(np.asarray, dataset[index])  # noqa: E731
+                        for index in range(dataset.num_batches)]
+    if not finite:
+        raise UsageError(f"x={kind}: is infinite; tower_train.keras.fit reads it once, into "
+                         "memory, so it must end")
+    elements = [tuple(element) if isinstance(element, list) else element for element in read()]
+    if not elements or not isinstance(elements[0], tuple) or len(elements[0]) not in (2, 3):
+        raise UsageError(f"x={kind}: expected batches (x, y) or (x, y, sample_weight), one per "
+                         "step; it yields " + ("nothing" if not elements else
+                                               type(elements[0]).__name__))
+    sizes = [len(tf.nest.flatten(element)[0]) for element in elements]
+    if any(size != sizes[0] for size in sizes[:-1]) or sizes[-1] > sizes[0]:
+        raise UsageError(f"x={kind}: its batches hold {', '.join(map(str, sizes[:8]))}"
+                         f"{', ...' if len(sizes) > 8 else ''} examples: each step's batch must be "
+                         "full but the last (batch(..., drop_remainder=False) gives that)")
+    arrays = tf.nest.map_structure(lambda *parts: np.concatenate(parts), *elements)
+    return arrays[0], arrays[1], arrays[2] if len(arrays) == 3 else None, sizes[0]
+
+
+def split_data(x, y, sample_weight, class_weight, validation_split, validation_data):
+    """((x, y, w) to train on, (x, y, w) held out or None) from Keras's data arguments; w is the
+    float32 weight of each example, sample_weight times class_weight's (ones without either)."""
+    if x is not None and not isinstance(x, (np.ndarray, dict, list, tuple)) and not tf.is_tensor(x):
+        raise UsageError(f"x={type(x).__name__}: tower_train.keras.fit takes numpy arrays, or a "
+                         "dict, list or tuple of them, with y, or a batched tf.data.Dataset or a "
+                         "keras.utils.PyDataset (not a generator, which cannot be read again for "
+                         "another epoch or a resume: read it into arrays)")
+    if x is None or y is None:
+        raise UsageError("x and y: tower_train.keras.fit needs both, as numpy arrays")
+    x, y = (tf.nest.map_structure(np.asarray, value) for value in (x, y))
+    if tf.nest.is_nested(y) and class_weight is not None:
+        raise UsageError("class_weight=: Keras takes it only for a model of one output")
+    if sample_weight is not None and class_weight is not None:
+        raise UsageError("sample_weight= and class_weight=: Keras takes one or the other, not both")
+    examples = int(tf.nest.flatten(x)[0].shape[0])
+    weights = np.ones(examples, np.float32)
+    if sample_weight is not None:
+        weights = np.asarray(sample_weight, np.float32)
+        if weights.shape != (examples,):
+            raise UsageError(f"sample_weight {list(weights.shape)}: must be one weight per example, "
+                             f"[{examples}]")
+    if class_weight is not None:
+        if not isinstance(class_weight, dict):
+            raise UsageError(f"class_weight={type(class_weight).__name__}: expected a dict of class "
+                             "index -> weight")
+        weights = class_weights(y, class_weight)
+    if not 0.0 <= validation_split < 1.0:
+        raise UsageError(f"validation_split={validation_split!r}: must be in [0, 1)")
+    held_out = None
+    if isinstance(validation_data, tf.data.Dataset):
+        held_out = (validation_data, None, None)  # the model's evaluate reads it as it is
+    elif validation_data is not None:
+        if not isinstance(validation_data, tuple) or len(validation_data) not in (2, 3):
+            raise UsageError(f"validation_data={type(validation_data).__name__}: expected a tuple "
+                             "(x, y) or (x, y, sample_weight) of numpy arrays, or a tf.data.Dataset")
+        held_out = (*validation_data, None)[:3]
+    elif validation_split:
+        # Keras's: the last fraction of the arrays, before any shuffling.
+        cut = int(math.floor(examples * (1.0 - validation_split)))
+        if cut in (0, examples):
+            raise UsageError(f"validation_split={validation_split}: leaves no example to "
+                             f"{'train on' if cut == 0 else 'validate'} of {examples}")
+        part = lambda nest, rows: tf.nest.map_structure(lambda a: a[rows], nest)  # noqa: E731
+        held_out = (part(x, slice(cut, None)), part(y, slice(cut, None)), weights[cut:]
+                    if sample_weight is not None else None)
+        x, y, weights = part(x, slice(None, cut)), part(y, slice(None, cut)), weights[:cut]
+    return (x, y, weights), held_out
+
+
+def class_weights(y: np.ndarray, class_weight: dict) -> np.ndarray:
+    """Each example's weight from its class, as Keras finds it: the argmax of a one-hot row, the
+    value of a [n, 1] or [n] label, rounded."""
+    classes = y if y.ndim == 1 else (np.argmax(y, axis=-1) if y.shape[-1] != 1 else y[:, 0])
+    classes = np.round(classes).astype(np.int64)
+    return np.array([class_weight.get(int(c), 1.0) for c in classes], np.float32)

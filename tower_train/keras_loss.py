@@ -1,0 +1,136 @@
+"""The loss `model.compile()` gave, as the per-example loss of `tower_train.fit`, for
+`tower_train.keras.fit` (keras.py): one loss for one output, or a loss per output (a dict by
+output name, or a list in the outputs' order) with `loss_weights`.
+
+The run's network returns one tensor (towers.py weighs one loss per example), so the outputs of
+a model of several are packed into one, [b, sum of their sizes], by `KerasModel.call` when its
+loss says `packs_outputs` (keras_model.py), and unpacked here into the model's structure.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import keras
+import tensorflow as tf
+
+from tower_train.errors import UsageError
+from tower_train.keras_model import per_label_loss
+
+
+class CompiledLoss:
+    """The compiled loss for targets `(y, sample_weight)`: each output's Keras loss with reduction
+    none and the sample weights, as Keras weighs them, then each example's mean over its other
+    axes, times the output's loss weight, summed over the outputs. With every example weighing
+    1 in the run, an update's weighted mean of these is Keras's total loss over the update: the
+    sum over outputs of loss weight times "sum_over_batch_size" of that output's losses."""
+
+    packs_outputs = True  # KerasModel packs several outputs into one tensor for it
+
+    def __init__(self, model: keras.Model, features: Any, targets: Any):
+        """`features` and `targets`: the first examples, which tell the "crossentropy" alias
+        which crossentropy it is, as compile() tells it from the first batch."""
+        from keras.src.trainers.compile_utils import get_loss  # compile()'s own resolution
+
+        outputs = model(features, training=False)
+        self._names = _output_names(model, outputs)
+        self._shapes = [tuple(output.shape[1:]) for output in _in_order(outputs, self._names)]
+        self._sizes = [math.prod(shape) for shape in self._shapes]
+        self.several_outputs = len(self._names) > 1
+        self._packed = tf.nest.is_nested(outputs)  # by KerasModel.call, a list of one too
+        first = _in_order(targets, self._names, "y")
+        losses = _per_output(model.loss, self._names, "loss")
+        weights = _per_output(model.get_compile_config().get("loss_weights"), self._names,
+                              "loss_weights")
+        self._losses = []  # (output's index, unreduced loss, loss weight)
+        for index, (loss, weight) in enumerate(zip(losses, weights, strict=True)):
+            if loss is None:  # Keras trains an output without a loss on nothing
+                continue
+            # A name or a function becomes the Loss object compile() makes of it
+            # (LossFunctionWrapper, which brings labels and outputs to the same rank: [n] labels
+            # for [n, 1] sigmoids).
+            loss = get_loss(loss, first[index], _in_order(outputs, self._names)[index])
+            if loss.reduction != "sum_over_batch_size":
+                raise UsageError(f"loss={type(loss).__name__}(reduction={loss.reduction!r}): "
+                                 "tower_train.keras.fit takes Keras's default reduction, "
+                                 "'sum_over_batch_size'")
+            self._losses.append((index, per_label_loss(loss)[0],
+                                 1.0 if weight is None else float(weight)))
+
+    def __call__(self, targets: tuple[Any, tf.Tensor], outputs: tf.Tensor) -> tf.Tensor:
+        y, sample_weight = targets
+        y = _in_order(y, self._names, "y")
+        if self._packed:
+            parts = tf.split(outputs, self._sizes, axis=-1)
+            outputs = [tf.reshape(part, [-1, *shape]) for part, shape in
+                       zip(parts, self._shapes, strict=True)]
+        else:
+            outputs = [outputs]
+        total = 0.0
+        for index, unreduced, weight in self._losses:
+            losses = tf.convert_to_tensor(unreduced(y[index], outputs[index],
+                                                    sample_weight=sample_weight))
+            if losses.shape.rank > 1:
+                losses = tf.reduce_mean(losses, axis=list(range(1, losses.shape.rank)))
+            total += losses * weight
+        return total
+
+
+def pack_outputs(outputs: Any) -> tf.Tensor:
+    """Several outputs (a list, tuple or dict, in `tf.nest`'s order) as one float32 tensor [b, the
+    sum of their sizes]; one output as it is."""
+    if not tf.nest.is_nested(outputs):
+        return outputs
+    return tf.concat([tf.reshape(tf.cast(output, tf.float32), [tf.shape(output)[0], -1])
+                      for output in tf.nest.flatten(outputs)], axis=-1)
+
+
+def _output_names(model: keras.Model, outputs: Any) -> list[str]:
+    """The names of the model's outputs, in `tf.nest`'s order of `outputs`."""
+    if isinstance(outputs, dict):
+        return sorted(outputs)  # tf.nest's order
+    if tf.nest.is_nested(outputs):
+        names = list(getattr(model, "output_names", None) or [])
+        if len(names) != len(outputs):
+            raise UsageError(f"model {model.name}: has {len(outputs)} outputs but names "
+                             f"{len(names)}; tower_train.keras.fit takes several outputs of a "
+                             "functional model")
+        return names
+    return list(getattr(model, "output_names", None) or ["output"])[:1]
+
+
+def _in_order(values: Any, names: list[str], what: str = "outputs") -> list:
+    """`values` of the outputs (a dict by name, a list in order, or one) as a list in the
+    outputs' order."""
+    if isinstance(values, dict):
+        missing = [name for name in names if name not in values]
+        if missing and len(names) > 1:
+            raise UsageError(f"{what}: has no {', '.join(missing)} for the model's outputs "
+                             f"{names}")
+        return [values[name] for name in names] if not missing else list(values.values())
+    if isinstance(values, (list, tuple)) and (len(names) > 1 or len(values) == 1):
+        if len(values) != len(names):
+            raise UsageError(f"{what}: {len(values)} values for the model's {len(names)} "
+                             f"outputs {names}")
+        return list(values)
+    if len(names) > 1:
+        raise UsageError(f"{what}: one array for the model's {len(names)} outputs {names}; give a "
+                         "dict by output name or a list, as for model.fit")
+    return [values]
+
+
+def _per_output(value: Any, names: list[str], what: str) -> list:
+    """compile()'s `loss` or `loss_weights`: one for every output, a dict by output name (an
+    output left out has none), or a list in the outputs' order."""
+    if isinstance(value, dict):
+        unknown = sorted(set(value) - set(names))
+        if unknown:
+            raise UsageError(f"{what}: names {', '.join(map(str, unknown))}, not an output of the "
+                             f"model ({', '.join(names)}), as compile() would refuse")
+        return [value.get(name) for name in names]
+    if isinstance(value, (list, tuple)):
+        if len(value) != len(names):
+            raise UsageError(f"{what}: {len(value)} for the model's {len(names)} outputs "
+                             f"({', '.join(names)})")
+        return list(value)
+    return [value] * len(names)
