@@ -92,10 +92,11 @@ class Mode:
     def _placement(self) -> Placement:
         raise NotImplementedError
 
-    def inner_step(self, state) -> InnerStep:
+    def inner_step(self, state, prepare=None) -> InnerStep:
         """The `InnerStep` of `state` whose `run_update(batches)` applies one update of config.accum
         micro-steps: clipped to --clip_norm, each tower's share as --tower_split says, compiled
-        with XLA under --jit_compile."""
+        with XLA under --jit_compile; a `data.RawInput` batch preprocessed by `prepare` (the
+        source's `model_input`) on each tower's device."""
         raise NotImplementedError
 
     @property
@@ -140,7 +141,7 @@ class TowerMode(Mode):
             return SpreadPlacement(self.plan.param_device, self.plan.tower_devices)
         return OneDevice(self.plan.param_device)
 
-    def inner_step(self, state) -> InnerStep:
+    def inner_step(self, state, prepare=None) -> InnerStep:
         """Also: tower mode's weights fetched as --tower_weights says and its gradient sums sent
         in --transfer_precision."""
         from tower_train.tower_mode import TowerStep
@@ -148,7 +149,7 @@ class TowerMode(Mode):
         config = self.config
         return TowerStep(state.update_rule(config.clip_norm), self.plan.tower_devices, self.placement,
                          config.accum, config.tower_shard_sizes, config.jit_compile, config.tower_weights,
-                         DTYPES[config.transfer_precision])
+                         DTYPES[config.transfer_precision], prepare)
 
 
 class _StrategyMode(Mode):
@@ -165,13 +166,13 @@ class _StrategyMode(Mode):
     def strategy(self):
         return self.placement.strategy
 
-    def inner_step(self, state) -> InnerStep:
+    def inner_step(self, state, prepare=None) -> InnerStep:
         from tower_train.strategy_mode import StrategyStep
 
         config = self.config
         return StrategyStep(self.strategy, state.update_rule(config.clip_norm), config.accum,
                             first_replica=self.worker.index * len(self.plan.tower_devices),
-                            jit_compile=config.jit_compile)
+                            jit_compile=config.jit_compile, prepare=prepare)
 
 
 class MirroredMode(_StrategyMode):

@@ -70,6 +70,7 @@ from typing import Callable, Iterator, Mapping, Sequence
 
 import tensorflow as tf
 
+from tower_train.data import Preprocess
 from tower_train.devices import OneDevice, SpreadPlacement, canonical_device
 from tower_train.inner_step import Batch, BatchSpec, Decision, UpdateResult
 from tower_train.spread import SpreadState, joined
@@ -85,17 +86,18 @@ class TowerStep:
 
     def __init__(self, rule: UpdateRule, tower_devices: Sequence[str], placement: OneDevice | SpreadPlacement,
                  accum: int, shard_sizes: Sequence[int], jit_compile: bool = False, tower_weights: str = "per_update",
-                 transfer_dtype: str = "float32"):
+                 transfer_dtype: str = "float32", prepare: Preprocess | None = None):
         """`placement`: where the rule's variables live (the parameter device), which also holds
         the update's counters and decides it; or `SpreadPlacement`, whose slices the towers'
         devices hold and update (`spread.SpreadState`), its host holding the rest. `tower_weights`:
         "per_update" or "per_micro_step" (`TrainConfig.tower_weights`; spread: per_update).
         `transfer_dtype`: the dtype the towers' gradient sums cross devices in (float32, bfloat16
-        or float16)."""
+        or float16). `prepare`: the source's `model_input`, which each tower applies to its shard
+        of a `data.RawInput` batch (`towers.prepared`)."""
         model = rule.model
         self._jit_compile = jit_compile
-        self._tower = (compiled_tower_function(model, rule.loss_scale) if jit_compile
-                       else tower_function(model, rule.loss_scale))
+        self._tower = (compiled_tower_function(model, rule.loss_scale, prepare) if jit_compile
+                       else tower_function(model, rule.loss_scale, prepare=prepare))
         self._rule = rule
         self._devices = tuple(tower_devices)
         self._shard_sizes = tuple(shard_sizes)  # examples of each tower per micro-step
