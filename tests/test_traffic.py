@@ -128,10 +128,11 @@ def test_the_counts_are_what_the_runtime_sends():
     one tensor moved; its bytes come from the traced op of the same name."""
     run = make_run(model="test_traffic_probe", num_gpus=TOWERS, accum=2, batch_size=BATCH,
                    tower_weights="per_update", ema_decay=0.0)
-    runs = run.inner.traced_update(batch_spec(TOWERS * BATCH))  # traced, not yet run
+    stream = run.batches()
+    runs = run.inner.traced_update(stream.element_spec)  # traced, not yet run
     context.context().enable_run_metadata()  # before the first call: partitioning is recorded then
     try:
-        run.inner.run_update(run.batches())
+        run.inner.run_update(stream)
         metadata = context.context().export_run_metadata()
     finally:
         context.context().disable_run_metadata()

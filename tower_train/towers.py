@@ -171,15 +171,20 @@ def tower_function(
     weight_copies[, seeds]]), reading the current loss scale at every call; with `jit_compile`,
     compiled by XLA for the device it is called on (which must hold the model's variables: XLA
     cannot read another device's; `compiled_tower_function` reads none). Features that come as
-    a `RawInput` are preprocessed by `prepare` first, on that device (`prepared`)."""
-    def tower(features: tf.Tensor, labels: tf.Tensor, weights: tf.Tensor,
-              weight_copies: Sequence[tf.Variable] | None = None,
-              seeds: tf.Tensor | None = None) -> TowerResult:
+    a `RawInput` are preprocessed by `prepare` first, on that device, outside XLA (`prepared`)."""
+    def tower_pass(features: tf.Tensor, labels: tf.Tensor, weights: tf.Tensor,
+                   weight_copies: Sequence[tf.Variable] | None = None,
+                   seeds: tf.Tensor | None = None) -> TowerResult:
         return tower_loss_and_gradients(
-            model, prepared(features, prepare), labels, weights,
+            model, features, labels, weights,
             None if loss_scale is None else loss_scale.value.read_value(), weight_copies, seeds)
 
-    return tf.function(tower, jit_compile=True) if jit_compile else tower
+    run_pass = tf.function(tower_pass, jit_compile=True) if jit_compile else tower_pass
+
+    def tower(features, *arguments) -> TowerResult:
+        return run_pass(prepared(features, prepare), *arguments)
+
+    return tower
 
 
 def compiled_tower_function(model: TowerModel, loss_scale: LossScale | None = None,
