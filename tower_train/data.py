@@ -355,9 +355,9 @@ class ArraySource(Source):
             return (positions, _gather(features, indices), _gather(labels, indices),
                     tf.gather(weights, indices))
 
-        # One element per batch: a counter of single positions, batched, cost 20-30 us of host
-        # time per example in tf.data's per-element work (nearly all of this pipeline's), the
-        # batch's positions as one range under 1 (docs/data.md#the-input-pipeline).
+        # One tf.data element per batch, its positions one range: a counter of single positions,
+        # batched, spent 23-38 us of host time per example on tf.data's per-element work, nearly
+        # all of this pipeline's cost; this takes about 1 (docs/performance.md).
         dataset = tf.data.Dataset.counter(start=start_position, step=batch, dtype=tf.int64)
         return dataset.map(gather, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
 

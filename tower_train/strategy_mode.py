@@ -75,7 +75,7 @@ class StrategyStep:
     ):
         self._strategy = strategy
         model = rule.model
-        self._tower = tower_function(model, rule.loss_scale, jit_compile, prepare)  # `TowerStep`'s prepare
+        self._tower = tower_function(model, rule.loss_scale, jit_compile, prepare)
         self._rule = rule
         self._accum = accum
         self._first_replica = first_replica  # global id of this worker's first replica
