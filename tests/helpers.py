@@ -32,6 +32,15 @@ def make_run(model=None, source: data.Source | None = None, **overrides) -> Run:
     return Run.create(resolve_model(model, config, None, source.num_classes), source, build_mode(config, plan))
 
 
+def host_batches(run: Run):
+    """`run.batches()` preprocessed on the host: micro-batches of the model's input, for a test
+    that reads or poisons the images (the run's own stream is raw, `data.RawInput`, for the
+    towers to preprocess); an inner step takes either."""
+    return iter(run.source.train_stream(
+        seed=run.config.seed, start_position=int(run.state.examples_seen.numpy()),
+        micro_batch=run.config.batch_size * len(run.mode.plan.tower_devices)))
+
+
 def unit_weighted(features, labels) -> tuple:
     """A micro-batch (features, labels) with every label weighing 1, as the data sources give it."""
     return features, labels, np.ones(np.shape(labels), np.float32)

@@ -24,7 +24,7 @@ from tower_train.models.resnet20 import ResNet20
 from tower_train import datasets
 from tower_train.config import TrainConfig
 from tower_train.errors import UsageError
-from helpers import make_run, weights
+from helpers import host_batches, make_run, weights
 
 MOMENTUM = 0.5  # the probe's: large steps, so the order and the number of steps show clearly
 
@@ -83,7 +83,7 @@ def test_tower_mode_moves_the_statistics_once_per_tower_and_micro_step_in_tower_
     run = make_run(model="test_bn_probe", num_gpus=num_towers, accum=accum, batch_size=4,
                    optimizer="sgd", learning_rate=0.1)
     record = []
-    batches = recording(run.batches(), record)
+    batches = recording(host_batches(run), record)
     for _ in range(updates):
         run.inner.run_update(batches)
     means = [s.mean(axis=(0, 1, 2)) for s in shards(record, num_towers)]
@@ -113,7 +113,7 @@ def test_mirrored_moving_statistics(sync_bn):
     run = make_run(mode="mirrored", model="test_bn_probe", num_gpus=num_replicas, accum=accum,
                    batch_size=4, optimizer="sgd", learning_rate=0.1, sync_bn=sync_bn)
     record = []
-    run.inner.run_update(recording(run.batches(), record))
+    run.inner.run_update(recording(host_batches(run), record))
     bn = run.state.model.bn
     copies = [np.asarray(c) for c in bn.moving_mean.value.values]
     variance_copies = [np.asarray(c) for c in bn.moving_variance.value.values]
@@ -193,7 +193,7 @@ def test_resnet20_in_tower_mode_applies_the_mean_of_per_shard_plain_steps():
                    learning_rate=rate, ema_decay=0.0)
     plain = resnet20_like(run.state.model)
     record = []
-    loss, got = applied_gradient(run, recording(run.batches(), record), rate)
+    loss, got = applied_gradient(run, recording(host_batches(run), record), rate)
     images, labels = record[0]
     per_shard = [plain_step(plain, x, y) for x, y in zip(np.split(images, 2), np.split(labels, 2))]
     want = [np.mean(g, axis=0) for g in zip(*(grads for _, grads in per_shard))]
@@ -210,7 +210,7 @@ def test_resnet20_mirrored_with_sync_bn_applies_a_plain_step_on_the_concatenated
                    optimizer="sgd", learning_rate=rate, ema_decay=0.0, sync_bn=True)
     plain = resnet20_like(run.state.model)
     record = []
-    loss, got = applied_gradient(run, recording(run.batches(), record), rate)
+    loss, got = applied_gradient(run, recording(host_batches(run), record), rate)
     images, labels = record[0]
     want_loss, want = plain_step(plain, images, labels)
     assert loss == pytest.approx(want_loss, rel=1e-5)
@@ -269,7 +269,7 @@ def test_batch_norm_layers_follow_sync_batch_norm_and_resnet20_is_the_paper_s():
 def test_a_refused_update_leaves_the_moving_statistics_as_they_were(mode):
     run = make_run(mode=mode, model="test_bn_probe", num_gpus=2, accum=2, batch_size=4,
                    optimizer="sgd", learning_rate=0.1)
-    batches = run.batches()
+    batches = host_batches(run)  # float images, which can hold a NaN
     run.inner.run_update(batches)
     bn = run.state.model.bn
     before = stat(bn.moving_mean), stat(bn.moving_variance)

@@ -20,7 +20,7 @@ TOWERS, BATCH = 2, 2
 CONFIG = TrainConfig(train_dir="/unused", num_gpus=TOWERS, batch_size=BATCH)  # cifar10_cnn on synthetic
 PLAN = plan_devices(TOWERS, CONFIG.ps_device, num_physical_gpus=0)
 CNN_WEIGHTS = 1_068_298  # cifar10_cnn's trainable float32 weights ("1.07 M parameters", docs/models.md)
-IMAGE_BYTES = 24 * 24 * 3 * 4  # a float32 [24, 24, 3] image of the built-in image sets
+RAW_IMAGE_BYTES = 32 * 32 * 3  # a uint8 [32, 32, 3] image of the built-in image sets, as they hold it
 
 
 @pytest.fixture
@@ -115,10 +115,11 @@ def test_a_tower_kind_counts_its_bytes_per_update_and_the_state_each_device_hold
     copied = workload.traffic().copied
     # Once per update at K > 1, each tower gets the weights and sends back its gradient sums and
     # its float32 loss and weight sums; each micro-step's shards come from the host: every example's
-    # image, int32 label and float32 weight.
+    # raw uint8 image (each tower preprocesses its own; the central crop reads no seed, so none
+    # crosses), int32 label and float32 weight.
     assert copied["weights"] == TOWERS * p
     assert copied["gradients"] == TOWERS * (p + 8)
-    assert copied["input"] == 2 * BATCH * TOWERS * (IMAGE_BYTES + 4 + 4)
+    assert copied["input"] == 2 * BATCH * TOWERS * (RAW_IMAGE_BYTES + 4 + 4)
     # The host holds the weights, Adam's two slots, their moving average and three int64 counters;
     # each tower its gradient sums, loss and weight sums, and its copy of the weights.
     assert sorted(workload.state_bytes().values()) == [2 * p + 8] * TOWERS + [4 * p + 24]

@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from helpers import make_run, weights
+from helpers import host_batches, make_run, weights
 from test_cli_errors import run_cli
 
 
@@ -15,7 +15,7 @@ def optimizer_state(run):
 def test_a_nan_in_one_tower_skips_the_whole_update_everywhere(mode, bad_micro_step):
     layout = dict(mode=mode, num_gpus=2, accum=2, batch_size=4, optimizer="momentum", learning_rate=0.05)
     run, reference = make_run(**layout), make_run(**layout)
-    good = run.batches()
+    good = host_batches(run)  # float images, which can hold a NaN
     first, second = next(good), next(good)
     poisoned = [first, second]
     images = poisoned[bad_micro_step][0].numpy()

@@ -179,6 +179,21 @@ def test_stream_sharding_reads_the_one_process_stream(files):
             np.testing.assert_array_equal(b, expected.reshape(b.shape))
 
 
+@pytest.mark.parametrize("sharding", ["stream", "files"])
+def test_a_workers_raw_stream_preprocessed_as_the_towers_do_is_its_preprocessed_stream(files, sharding):
+    """Training reads a worker's stream raw (features and seeds) and its towers preprocess it:
+    the same batches as the stream preprocessed on the host, each example's position included."""
+    source = make_source(files, sharding=sharding, preprocess=preprocess)
+    arguments = dict(seed=7, start_position=8, micro_batch=4, shard_index=1, num_shards=2)
+    raw = source.train_stream(**arguments, preprocessed=False)
+    host = source.train_stream(**arguments)
+    for (features, labels, weights), want in zip(raw.take(5), host.take(5)):
+        assert features.features.shape == [4, 3]  # as parsed
+        got = (source.model_input(features.features, features.seeds, training=True), labels, weights)
+        for a, b in zip(got, want, strict=True):
+            np.testing.assert_array_equal(a, b)
+
+
 def test_files_sharding_reads_disjoint_files(files):
     source = make_source(files, sharding="files", preprocess=preprocess)
     file_of = np.repeat(np.arange(len(TRAIN_SIZES)), TRAIN_SIZES)  # id -> its file

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from tower_train.data import RawInput
 from tower_train.devices import canonical_device
 from tower_train.towers import combine_gradients
 from helpers import cross_tower_ops, make_run, weights
@@ -55,6 +56,28 @@ def test_towers_and_accumulation_equal_one_plain_step_on_the_concatenated_batch(
     assert result.applied and result.total_weight == g
 
     assert result.loss == pytest.approx(expected_loss, rel=1e-5)
+    for got, want in zip(weights(run.state.model), expected):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["tower", "mirrored"])
+def test_towers_preprocessing_their_raw_shards_equal_one_plain_step_on_the_host_preprocessed_batch(mode):
+    """Training reads the stream raw (uint8 images and each example's seed) and each tower or
+    replica distorts its own shard: the update equals plain SGD on the same examples distorted
+    on the host, by the stream's default (preprocessed) form."""
+    batch, towers, accum = 4, 2, 2
+    run = make_run(mode=mode, num_gpus=towers, accum=accum, batch_size=batch, optimizer="sgd",
+                   learning_rate=LR, augment=True)
+    stream = run.batches()
+    raw = [next(stream) for _ in range(accum)]
+    assert isinstance(raw[0][0], RawInput) and raw[0][0].features.dtype == tf.uint8
+    host = iter(run.source.train_stream(seed=run.config.seed, start_position=0, micro_batch=batch * towers))
+    images, labels, _ = (np.concatenate(part) for part in zip(*(next(host) for _ in range(accum))))
+    assert images.dtype == np.float32 and images.shape == (batch * towers * accum, 24, 24, 3)
+    expected_loss, expected = plain_sgd_reference(run.state.model, images, labels)
+
+    result = run.inner.run_update(iter(raw))
+    assert result.applied and result.loss == pytest.approx(expected_loss, rel=1e-5)
     for got, want in zip(weights(run.state.model), expected):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 

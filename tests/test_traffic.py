@@ -51,6 +51,16 @@ def test_device_strings_are_normalized():
     assert device_name("") == ""
 
 
+def test_the_towers_receive_raw_uint8_images_and_their_seeds_not_float32_model_input():
+    run = make_run(model="test_traffic_probe", num_gpus=TOWERS, accum=2, batch_size=BATCH, augment=True)
+    spec = run.batches().element_spec  # what training reads
+    assert spec[0].features.dtype == tf.uint8
+    traffic = count_traffic(run.inner.traced_update(spec), run.inner.variable_roles(), run.mode.plan.param_device)
+    # Each micro-step, every example's uint8 [32, 32, 3] image and int64 seed pair, int32 label and
+    # float32 weight reach its tower, which distorts it there: no float32 [24, 24, 3] image crosses.
+    assert traffic.copied["input"] == 2 * TOWERS * BATCH * (32 * 32 * 3 + 2 * 8 + 4 + 4)
+
+
 @pytest.mark.parametrize("accum,tower_weights,weight_fetches", [
     (1, "per_update", 1), (4, "per_update", 1), (4, "per_micro_step", 4)])
 def test_tower_mode_moves_the_weights_once_per_update_whatever_k(accum, tower_weights, weight_fetches):
@@ -118,10 +128,11 @@ def test_the_counts_are_what_the_runtime_sends():
     one tensor moved; its bytes come from the traced op of the same name."""
     run = make_run(model="test_traffic_probe", num_gpus=TOWERS, accum=2, batch_size=BATCH,
                    tower_weights="per_update", ema_decay=0.0)
-    runs = run.inner.traced_update(batch_spec(TOWERS * BATCH))  # traced, not yet run
+    stream = run.batches()
+    runs = run.inner.traced_update(stream.element_spec)  # traced, not yet run
     context.context().enable_run_metadata()  # before the first call: partitioning is recorded then
     try:
-        run.inner.run_update(run.batches())
+        run.inner.run_update(stream)
         metadata = context.context().export_run_metadata()
     finally:
         context.context().disable_run_metadata()

@@ -101,15 +101,17 @@ class ArraySource(Source):
     def _raw_train_batches(self, seed: int, start_position: int, batch: int) -> tf.data.Dataset:
         features, labels, weights = _constants(self.train_features, self.train_labels, self.train_weights)
 
-        def gather(positions):
+        def gather(first):
+            positions = first + tf.range(batch, dtype=tf.int64)
             indices = self.stream_indices(positions, seed)
             return (positions, _gather(features, indices), _gather(labels, indices),
                     tf.gather(weights, indices))
 
-        # drop_remainder on an infinite stream only makes the static batch dimension known.
-        dataset = tf.data.Dataset.counter(start=start_position, dtype=tf.int64)
-        return dataset.batch(batch, drop_remainder=True).map(
-            gather, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+        # One tf.data element per batch, its positions one range: a counter of single positions,
+        # batched, spent 23-38 us of host time per example on tf.data's per-element work, nearly
+        # all of this pipeline's cost; this takes about 1 (docs/performance.md).
+        dataset = tf.data.Dataset.counter(start=start_position, step=batch, dtype=tf.int64)
+        return dataset.map(gather, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
 
     def _raw_eval_batches(self, batch_size: int) -> tf.data.Dataset:
         features, labels, weights = _constants(self.eval_features, self.eval_labels, self.eval_weights)

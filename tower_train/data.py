@@ -35,7 +35,7 @@ import this module and are never imported by it.
 from __future__ import annotations
 
 import abc
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import tensorflow as tf
 
@@ -53,6 +53,17 @@ Preprocess = Callable[[tf.Tensor, tf.Tensor, bool], tf.Tensor]
 # model's own checks raise while an update or an evaluation runs: each ends the run in one line,
 # `Source.describe_error`'s.
 RUN_OP_ERRORS = (tf.errors.InvalidArgumentError, tf.errors.DataLossError, tf.errors.NotFoundError)
+
+
+class RawInput(NamedTuple):
+    """A training batch's features as its source holds them, with each example's stateless seed
+    [seed, stream position] (int64 [b, 2]): what the training stream hands the towers, which
+    preprocess their own shard on their own device (`Source.model_input`, `towers.prepared`).
+    Raw images cross devices as uint8, a quarter of the bytes of float32, and the host only
+    slices, shuffles and batches."""
+
+    features: object  # a tensor, or a nest of them
+    seeds: tf.Tensor
 
 
 class DataError(UsageError):
@@ -90,8 +101,10 @@ class Source(abc.ABC):
         """Every held-out example once, in order: (indices int64 [<=b], features, labels, weights)."""
 
     def train_stream(self, *, seed: int, start_position: int, micro_batch: int,
-                     shard_index: int = 0, num_shards: int = 1) -> tf.data.Dataset:
-        """Infinite dataset of (features, labels, weights), `micro_batch` examples each.
+                     shard_index: int = 0, num_shards: int = 1, preprocessed: bool = True) -> tf.data.Dataset:
+        """Infinite dataset of (features, labels, weights), `micro_batch` examples each; the
+        features preprocessed for training, or, with `preprocessed=False`, as a `RawInput` for
+        the towers to preprocess (what training reads).
 
         Batch b holds stream positions start_position + b * micro_batch ... + micro_batch - 1,
         in order. With num_shards > 1 (one shard per worker), the stream is cut into batches
@@ -102,10 +115,8 @@ class Source(abc.ABC):
         mine = slice(shard_index * micro_batch, (shard_index + 1) * micro_batch)
 
         def shard(positions, features, labels, weights):
-            positions = positions[mine]
-            seeds = tf.stack([tf.fill(tf.shape(positions), tf.constant(seed, tf.int64)), positions], -1)
-            return (self.model_input(rows(features, mine), seeds, training=True), rows(labels, mine),
-                    weights[mine])
+            return (self.train_input(rows(features, mine), seed, positions[mine], preprocessed),
+                    rows(labels, mine), weights[mine])
 
         with tf.device(_HOST):
             dataset = self._raw_train_batches(seed, start_position, micro_batch * num_shards)
@@ -142,6 +153,12 @@ class Source(abc.ABC):
         if self.preprocess is None:
             return features
         return self.preprocess(features, seeds, training)
+
+    def train_input(self, features, seed: int, positions: tf.Tensor, preprocessed: bool):
+        """The training stream's features of the examples at int64 stream `positions`:
+        preprocessed for training, or raw as a `RawInput` with their seeds [seed, position]."""
+        seeds = tf.stack([tf.fill(tf.shape(positions), tf.constant(seed, tf.int64)), positions], -1)
+        return self.model_input(features, seeds, training=True) if preprocessed else RawInput(features, seeds)
 
     @property
     def weight_shape(self) -> tf.TensorShape:

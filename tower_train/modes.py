@@ -88,10 +88,11 @@ class Mode:
     def _placement(self) -> Placement:
         raise NotImplementedError
 
-    def inner_step(self, state) -> InnerStep:
+    def inner_step(self, state, prepare=None) -> InnerStep:
         """The `InnerStep` of `state` whose `run_update(batches)` applies one update of config.accum
         micro-steps: clipped to --clip_norm, each tower's share as --tower_split says, compiled
-        with XLA under --jit_compile."""
+        with XLA under --jit_compile; a `data.RawInput` batch preprocessed by `prepare` (the
+        source's `model_input`) on each tower's device."""
         raise NotImplementedError
 
     @property
@@ -132,7 +133,7 @@ class TowerMode(Mode):
 
         return OneDevice(self.plan.param_device)
 
-    def inner_step(self, state) -> InnerStep:
+    def inner_step(self, state, prepare=None) -> InnerStep:
         """Also: tower mode's weights fetched as --tower_weights says and its gradient sums sent
         in --transfer_precision."""
         from tower_train.tower_mode import TowerStep
@@ -141,7 +142,7 @@ class TowerMode(Mode):
         return TowerStep(rule=state.update_rule(config.clip_norm), tower_devices=self.plan.tower_devices,
                          placement=self.placement, accum=config.accum, shard_sizes=config.tower_shard_sizes,
                          jit_compile=config.jit_compile, tower_weights=config.tower_weights,
-                         transfer_dtype=DTYPES[config.transfer_precision])
+                         transfer_dtype=DTYPES[config.transfer_precision], prepare=prepare)
 
 
 class _StrategyMode(Mode):
@@ -158,14 +159,14 @@ class _StrategyMode(Mode):
     def strategy(self):
         return self.placement.strategy
 
-    def inner_step(self, state) -> InnerStep:
+    def inner_step(self, state, prepare=None) -> InnerStep:
         from tower_train.strategy_mode import StrategyStep
 
         config = self.config
         return StrategyStep(strategy=self.strategy, rule=state.update_rule(config.clip_norm),
                             accum=config.accum,
                             first_replica=self.worker.index * len(self.plan.tower_devices),
-                            jit_compile=config.jit_compile)
+                            jit_compile=config.jit_compile, prepare=prepare)
 
 
 class MirroredMode(_StrategyMode):

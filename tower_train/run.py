@@ -143,16 +143,17 @@ class Run:
     def inner(self) -> InnerStep:
         """The mode's inner step, built at first use, so after any restore of the state: it keeps
         a copy of the statistics as they are when it is built (`TrainingStatistics`)."""
-        return self.mode.inner_step(self.state)
+        return self.mode.inner_step(self.state, self.source.model_input)
 
     def batches(self) -> Iterator[Batch]:
         """The training stream from the state's position in it (`examples_seen`): this worker's
-        shard, in global micro-batches of this process's towers."""
+        shard, in global micro-batches of this process's towers, raw (`data.RawInput`): the
+        towers preprocess their shards on their own devices."""
         worker = self.mode.worker
         return iter(self.source.train_stream(
             seed=self.config.seed, start_position=int(self.state.examples_seen.numpy()),
             micro_batch=self.config.batch_size * len(self.mode.plan.tower_devices),
-            shard_index=worker.index, num_shards=worker.count))
+            shard_index=worker.index, num_shards=worker.count, preprocessed=False))
 
     def describe_layout(self) -> str:
         config, plan = self.config, self.mode.plan

@@ -48,6 +48,7 @@ from typing import Iterator, Mapping, Sequence
 
 import tensorflow as tf
 
+from tower_train.data import Preprocess
 from tower_train.inner_step import Batch, BatchSpec, UpdateResult
 from tower_train.towers import (labels_per_shard, pass_seeds, regularization_gradients, split_batch,
                                 seed_generator_states, tower_function)
@@ -71,10 +72,11 @@ class StrategyStep:
         accum: int,
         first_replica: int = 0,
         jit_compile: bool = False,
+        prepare: Preprocess | None = None,
     ):
         self._strategy = strategy
         model = rule.model
-        self._tower = tower_function(model, rule.loss_scale, jit_compile)
+        self._tower = tower_function(model, rule.loss_scale, jit_compile, prepare)
         self._rule = rule
         self._accum = accum
         self._first_replica = first_replica  # global id of this worker's first replica

@@ -173,7 +173,7 @@ class TFRecordSource(Source):
         return self._parse_batches(examples, batch_size, drop_remainder=False)
 
     def train_stream(self, *, seed: int, start_position: int, micro_batch: int,
-                     shard_index: int = 0, num_shards: int = 1) -> tf.data.Dataset:
+                     shard_index: int = 0, num_shards: int = 1, preprocessed: bool = True) -> tf.data.Dataset:
         """As `Source.train_stream`, with `sharding` deciding what a shard reads (class docstring).
 
         With num_shards == 1 this is `Source.train_stream`. Otherwise "stream" keeps the base
@@ -182,7 +182,8 @@ class TFRecordSource(Source):
         """
         if num_shards == 1:
             return super().train_stream(seed=seed, start_position=start_position, micro_batch=micro_batch,
-                                        shard_index=shard_index, num_shards=num_shards)
+                                        shard_index=shard_index, num_shards=num_shards,
+                                        preprocessed=preprocessed)
         check_stream_arguments(seed, start_position, micro_batch, shard_index, num_shards)
         with tf.device(_HOST):
             if self.sharding == "stream":
@@ -210,8 +211,7 @@ class TFRecordSource(Source):
             batches = self._parse_batches(examples, micro_batch, drop_remainder=True)
 
             def prepare(positions, features, labels, weights):
-                seeds = tf.stack([tf.fill(tf.shape(positions), tf.constant(seed, tf.int64)), positions], -1)
-                return self.model_input(features, seeds, training=True), labels, weights
+                return self.train_input(features, seed, positions, preprocessed), labels, weights
 
             batches = batches.map(prepare, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
             return without_autotuning(batches.prefetch(TRAIN_PREFETCH))

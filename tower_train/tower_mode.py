@@ -69,6 +69,7 @@ from typing import Callable, ContextManager, Iterator, Mapping, Protocol, Sequen
 
 import tensorflow as tf
 
+from tower_train.data import Preprocess
 from tower_train.devices import Placement, canonical_device
 from tower_train.inner_step import Batch, BatchSpec, Decision, UpdateResult
 from tower_train.towers import (TowerResult, combine_gradients, compiled_tower_function, labels_per_shard,
@@ -270,15 +271,16 @@ class TowerStep:
 
     def __init__(self, *, rule: UpdateRule, tower_devices: Sequence[str], placement: TowerPlacement, accum: int,
                  shard_sizes: Sequence[int], jit_compile: bool = False, tower_weights: str = "per_update",
-                 transfer_dtype: str = "float32"):
+                 transfer_dtype: str = "float32", prepare: Preprocess | None = None):
         """`placement`: where the rule's variables live; it builds the `TowerLayout` (created
         after any restore, `Run.inner`, so a layout's own state starts from the restored one).
         `tower_weights`: "per_update" or "per_micro_step" (`TrainConfig.tower_weights`).
         `transfer_dtype`: the dtype the towers' gradient sums cross devices in (float32, bfloat16
-        or float16)."""
+        or float16). `prepare`: the source's `model_input`, which each tower applies to its shard
+        of a `data.RawInput` batch (`towers.prepared`)."""
         model = rule.model
-        self._tower = (compiled_tower_function(model, rule.loss_scale) if jit_compile
-                       else tower_function(model, rule.loss_scale))
+        self._tower = (compiled_tower_function(model, rule.loss_scale, prepare) if jit_compile
+                       else tower_function(model, rule.loss_scale, prepare=prepare))
         self._rule = rule
         self._devices = tuple(tower_devices)
         self._shard_sizes = tuple(shard_sizes)  # examples of each tower per micro-step

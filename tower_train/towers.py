@@ -42,6 +42,7 @@ from typing import Callable, NamedTuple, Sequence, TypeVar
 import numpy as np
 import tensorflow as tf
 
+from tower_train.data import Preprocess, RawInput
 from tower_train.errors import UsageError
 from tower_train.models.base import TowerModel
 from tower_train.update_rule import LossScale
@@ -150,30 +151,51 @@ def read_in_compute_dtype(model: TowerModel) -> list[bool]:
     return [id(v) in autocast for v in model.trainable_variables]
 
 
+def prepared(features, prepare: Preprocess | None):
+    """A shard's features as the model takes them, on the current device (the tower's): a
+    `RawInput` (the training stream's) preprocessed for training by `prepare` (the source's
+    `model_input`), from each example's own seed, so the result does not depend on where it
+    runs or how the batch was cut; anything else as it is."""
+    if not isinstance(features, RawInput):
+        return features
+    if prepare is None:
+        raise ValueError("a RawInput batch needs the source's model_input to prepare it")
+    return prepare(features.features, features.seeds, True)
+
+
 def tower_function(
-    model: TowerModel, loss_scale: LossScale | None = None, jit_compile: bool = False
+    model: TowerModel, loss_scale: LossScale | None = None, jit_compile: bool = False,
+    prepare: Preprocess | None = None,
 ) -> Callable[..., TowerResult]:
     """`tower_loss_and_gradients` of `model` as a function of (features, labels, weights[,
     weight_copies[, seeds]]), reading the current loss scale at every call; with `jit_compile`,
     compiled by XLA for the device it is called on (which must hold the model's variables: XLA
-    cannot read another device's; `compiled_tower_function` reads none)."""
-    def tower(features: tf.Tensor, labels: tf.Tensor, weights: tf.Tensor,
-              weight_copies: Sequence[tf.Variable] | None = None,
-              seeds: tf.Tensor | None = None) -> TowerResult:
+    cannot read another device's; `compiled_tower_function` reads none). Features that come as
+    a `RawInput` are preprocessed by `prepare` first, on that device, outside XLA (`prepared`)."""
+    def tower_pass(features: tf.Tensor, labels: tf.Tensor, weights: tf.Tensor,
+                   weight_copies: Sequence[tf.Variable] | None = None,
+                   seeds: tf.Tensor | None = None) -> TowerResult:
         return tower_loss_and_gradients(
             model, features, labels, weights,
             None if loss_scale is None else loss_scale.value.read_value(), weight_copies, seeds)
 
-    return tf.function(tower, jit_compile=True) if jit_compile else tower
+    run_pass = tf.function(tower_pass, jit_compile=True) if jit_compile else tower_pass
+
+    def tower(features, *arguments) -> TowerResult:
+        return run_pass(prepared(features, prepare), *arguments)
+
+    return tower
 
 
-def compiled_tower_function(model: TowerModel, loss_scale: LossScale | None = None) -> Callable[..., TowerResult]:
+def compiled_tower_function(model: TowerModel, loss_scale: LossScale | None = None,
+                            prepare: Preprocess | None = None) -> Callable[..., TowerResult]:
     """`tower_loss_and_gradients` of `model` compiled by XLA for the device it is called on, as a
     function of (features, labels, weights, weight_copies[, seeds]), for towers whose variables
     live elsewhere (tower mode). XLA cannot read another device's variables, so the compiled pass
     reads none: the weights come as `weight_copies` (a tower's copy, or the parameter device's
     values), and the loss scale and `model.state_variables` are read outside it, in program
-    order, the values it moved written back after it, as an uncompiled pass would."""
+    order, the values it moved written back after it, as an uncompiled pass would. A `RawInput`
+    is preprocessed by `prepare` on that device, outside the compiled pass (`prepared`)."""
     @tf.function(jit_compile=True)
     def compiled(features, labels, weights, weight_values, statistics, seeds, scale) -> TowerResult:
         return tower_loss_and_gradients(model, features, labels, weights, scale, weight_values, seeds,
@@ -182,7 +204,8 @@ def compiled_tower_function(model: TowerModel, loss_scale: LossScale | None = No
     def tower(features: tf.Tensor, labels: tf.Tensor, weights: tf.Tensor,
               weight_copies: Sequence[tf.Variable | tf.Tensor], seeds: tf.Tensor | None = None) -> TowerResult:
         state = model.state_variables
-        result = compiled(features, labels, weights, [tf.convert_to_tensor(c) for c in weight_copies],
+        result = compiled(prepared(features, prepare), labels, weights,
+                          [tf.convert_to_tensor(c) for c in weight_copies],
                           [tf.convert_to_tensor(v) for v in state], seeds,
                           None if loss_scale is None else loss_scale.value.read_value())
         for index, value in result.moved_statistics.items():

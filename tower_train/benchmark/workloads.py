@@ -12,6 +12,7 @@ from tower_train.benchmark.names import MODE_KINDS, BenchConfig
 from tower_train.config import HAND_PLACED_MODE, TrainConfig
 
 if TYPE_CHECKING:
+    from tower_train.data import Source
     from tower_train.devices import DevicePlan
     from tower_train.run import TrainState
     from tower_train.traffic import Traffic
@@ -41,7 +42,6 @@ def build_workload(bench: BenchConfig, config: TrainConfig, plan: DevicePlan,
                    slow_tower_ms: float = 0.0) -> Workload:
     """A fresh model and optimizer (seeded by --seed) training as `bench` says; in tower mode,
     tower 0 waits `slow_tower_ms` per example of its shard (`slow_first_tower`)."""
-    import numpy as np
     import tensorflow as tf
 
     from tower_train import datasets
@@ -70,20 +70,13 @@ def build_workload(bench: BenchConfig, config: TrainConfig, plan: DevicePlan,
         source = _records_of(source)
     elif bench.input == "dataset":
         source = _pipeline_of(source, config.seed)
-    if bench.input != "memory":
-        dataset = source.train_stream(seed=config.seed, start_position=0, micro_batch=micro)
-    else:
-        example = source.example_input()
-        rng = np.random.default_rng(config.seed)
-        shape = (micro, *example.shape[1:])
-        with tf.device("/cpu:0"):  # token ids for a model of integer inputs, else normal values
-            features = tf.constant(rng.integers(0, source.num_classes, shape) if example.dtype.is_integer
-                                   else rng.normal(size=shape), example.dtype)
-            labels = tf.constant(rng.integers(0, source.num_classes, (micro, *source.label_spec.shape)),
-                                 source.label_spec.dtype)
-            weights = tf.ones(labels.shape, tf.float32)
-        dataset = tf.data.Dataset.from_tensors((features, labels, weights)).repeat()
-    batch_spec = tuple(tf.TensorSpec([micro, *s.shape[1:]], s.dtype) for s in dataset.element_spec)
+    # Raw, as training reads it: the towers preprocess their shards (`towers.prepared`).
+    dataset = source.train_stream(seed=config.seed, start_position=0, micro_batch=micro, preprocessed=False)
+    if bench.input == "memory":  # the stream's first micro-batch, held on the host: no pipeline
+        with tf.device(HOST_DEVICE):
+            dataset = tf.data.Dataset.from_tensors(next(iter(dataset))).repeat()
+    batch_spec = tf.nest.map_structure(lambda s: tf.TensorSpec([micro, *s.shape[1:]], s.dtype),
+                                       dataset.element_spec)
     if bench.kind in MODE_KINDS:
         training = Run.create(spec, source, build_mode(config, plan))
         state, inner = training.state, training.inner
@@ -101,7 +94,7 @@ def build_workload(bench: BenchConfig, config: TrainConfig, plan: DevicePlan,
         default_device = plan.tower_devices[0]
         state = TrainState.create(config, spec, source, tf.device(default_device))
         run, traced = {"plain": _plain, "keras_fit": _keras_fit}[bench.kind](
-            config, default_device, dataset, batch_spec, state, source.train_size)
+            config, default_device, dataset, batch_spec, state, source)
         inner = None
 
     def traffic() -> Traffic:
@@ -242,21 +235,23 @@ def _updates(inner, dataset) -> Callable[[int], float]:
 
 
 def _plain(config: TrainConfig, device: str, dataset, batch_spec: tuple, state: TrainState,
-           train_examples: int | None) -> tuple[Callable[[int], float], Callable[[], list]]:
-    """One GradientTape step on `device` over all G examples, with the same update-boundary work
-    (regularization, clip, apply, count, average) as the towers'; and its traced function."""
+           source: Source) -> tuple[Callable[[int], float], Callable[[], list]]:
+    """One GradientTape step on `device` over all G examples, preprocessing them there as the
+    towers do, with the same update-boundary work (regularization, clip, apply, count, average)
+    as the towers'; and its traced function."""
     import tensorflow as tf
 
-    from tower_train.towers import regularization_gradients, tower_loss_and_gradients
+    from tower_train.towers import prepared, regularization_gradients, tower_loss_and_gradients
 
     rule = state.update_rule(config.clip_norm)
     whole_batches = iter(dataset.batch(config.accum).map(
-        lambda *parts: tuple(tf.reshape(p, [-1, *p.shape[2:]]) for p in parts)))
+        lambda *parts: tf.nest.map_structure(lambda p: tf.reshape(p, [-1, *p.shape[2:]]), parts)))
 
     @tf.function(jit_compile=config.jit_compile)
-    def plain_step(features: tf.Tensor, labels: tf.Tensor, weights: tf.Tensor) -> tf.Tensor:
+    def plain_step(features, labels: tf.Tensor, weights: tf.Tensor) -> tf.Tensor:
         with tf.device(device):
-            result = tower_loss_and_gradients(state.model, features, labels, weights)
+            result = tower_loss_and_gradients(state.model, prepared(features, source.model_input), labels,
+                                              weights)
             regularization, regularization_grads = regularization_gradients(state.model)
             # The tower's gradient is of sum(w * loss) / (labels): rescaled to / sum(w). One shard
             # of all G examples: the batch losses count as they are.
@@ -278,21 +273,22 @@ def _plain(config: TrainConfig, device: str, dataset, batch_spec: tuple, state: 
         return time.perf_counter() - start
 
     def traced() -> list:
-        return [plain_step.get_concrete_function(*(
-            tf.TensorSpec([s.shape[0] * config.accum, *s.shape[1:]], s.dtype) for s in batch_spec))]
+        return [plain_step.get_concrete_function(*tf.nest.map_structure(
+            lambda s: tf.TensorSpec([s.shape[0] * config.accum, *s.shape[1:]], s.dtype), batch_spec))]
 
     return run, traced
 
 
 def _keras_fit(config: TrainConfig, device: str, dataset, batch_spec: tuple, state: TrainState,
-               train_examples: int | None) -> tuple[Callable[[int], float], Callable[[], list]]:
+               source: Source) -> tuple[Callable[[int], float], Callable[[], list]]:
     """What a user would pick instead: Keras's own train step and gradient accumulation, on
     the same network, loss, optimizer and schedule, fed the micro-batch of all towers, on
-    `device`; and its train step traced as fit traces it."""
+    `device`, preprocessed there as the towers do; and its train step traced as fit traces it."""
     import keras
     import tensorflow as tf
 
     from tower_train.run import make_optimizer
+    from tower_train.towers import prepared
 
     net = state.model
 
@@ -307,13 +303,17 @@ def _keras_fit(config: TrainConfig, device: str, dataset, batch_spec: tuple, sta
         def call(self, images, training=False):
             return self.net(images, training=training)
 
+        def train_step(self, data):
+            features, labels, weights = data
+            return super().train_step((prepared(features, source.model_input), labels, weights))
+
         def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
             losses = tf.cast(self.net.per_example_loss(y, y_pred), tf.float32)
             weighted = tf.reduce_sum(losses * sample_weight) / tf.reduce_sum(sample_weight)
             return weighted + self.net.regularization()
 
     with tf.device(device):  # its counters too: a compiled step reads only its own device's variables
-        optimizer = make_optimizer(config, config.global_batch, train_examples)
+        optimizer = make_optimizer(config, config.global_batch, source.train_size)
     if config.accum > 1:  # Keras takes None, not 1, for no accumulation
         optimizer.gradient_accumulation_steps = config.accum
     class BatchClock(keras.callbacks.Callback):
