@@ -22,13 +22,13 @@ def xla() -> dict:
     against without, for the parameter device on the host and spread over the towers."""
     import tensorflow as tf
 
-    from tower_train import datasets
+    from tower_train.data import catalog
     from tower_train.api import prepare_devices
     from tower_train.config import TrainConfig
     from tower_train.model_spec import resolve_model
-    from tower_train.modes import build_mode
+    from tower_train.step.modes import build_mode
     from tower_train.numerics import run_numerics
-    from tower_train.run import Run
+    from tower_train.training.run import Run
 
     base = TrainConfig(train_dir="/unused", num_gpus=2, gpu_memory_mb=4000, accum=2, batch_size=32,
                        optimizer="momentum", learning_rate=0.05)
@@ -38,7 +38,7 @@ def xla() -> dict:
         trained = []
         for jit_compile in (False, True):
             config = dataclasses.replace(base, ps_device=ps_device, jit_compile=jit_compile)
-            source = datasets.load_source(config.dataset, None, config.augment)
+            source = catalog.load_source(config.dataset, None, config.augment)
             run = Run.create(resolve_model(None, config, None, source.num_classes), source, build_mode(config, plan))
             batches = run.batches()
             with run_numerics(deterministic=False, tf32=False):
@@ -57,12 +57,12 @@ def tf32() -> dict:
     import keras
     import tensorflow as tf
 
-    from tower_train import datasets
+    from tower_train.data import catalog
     from tower_train.config import TrainConfig
     from tower_train.model_spec import build_model, resolve_model
     from tower_train.models import TowerModel
     from tower_train.numerics import run_numerics
-    from tower_train.towers import tower_loss_and_gradients
+    from tower_train.step.towers import tower_loss_and_gradients
 
     class Dense(TowerModel):
         def __init__(self, num_classes: int, **kwargs):
@@ -75,7 +75,7 @@ def tf32() -> dict:
             return self.logits(self.hidden(self.flatten(features)))
 
     config = TrainConfig(train_dir="/unused")
-    source = datasets.load_source(config.dataset, None, config.augment)
+    source = catalog.load_source(config.dataset, None, config.augment)
     with tf.device("/cpu:0"):
         features, labels, weights = next(iter(source.train_stream(seed=0, start_position=0, micro_batch=64)))
         cnn = build_model(resolve_model(None, config, None, source.num_classes), source, config)

@@ -13,21 +13,22 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tower_train import data, datasets
+from tower_train.data import source as data
+from tower_train.data import catalog
 from tower_train.config import TrainConfig
 from tower_train.devices import canonical_device, plan_devices
 from tower_train.model_spec import resolve_model
 from tower_train.models import TowerModel, l2_loss
-from tower_train.modes import build_mode
-from tower_train.run import Run
+from tower_train.step.modes import build_mode
+from tower_train.training.run import Run
 
 
 def make_run(model=None, source: data.Source | None = None, **overrides) -> Run:
-    """A run (`tower_train.run.Run`) of a config (any single-process mode) on this process's
+    """A run (`tower_train.training.run.Run`) of a config (any single-process mode) on this process's
     logical CPUs; `model` as `tower_train.fit` takes it (default: the config's), `source` by
     default the embedded data set."""
     config = TrainConfig(**{"train_dir": "/unused", **overrides})
-    source = source or datasets.load_source("synthetic", None, config.augment)
+    source = source or catalog.load_source("synthetic", None, config.augment)
     plan = plan_devices(config.num_gpus, config.ps_device, num_physical_gpus=0)
     return Run.create(resolve_model(model, config, None, source.num_classes), source, build_mode(config, plan))
 

@@ -1,4 +1,4 @@
-"""The small Keras problem that tests/test_keras_models.py and tests/test_dataset_source.py both
+"""The small Keras problem that tests/test_keras_models.py and tests/test_tf_dataset.py both
 train: its arrays, a Sequential and a functional model with an L2 penalty, Keras's own `fit` on it
 as the reference, and the comparison of weights with it."""
 import keras

@@ -175,7 +175,7 @@ def test_registered_names_go_into_the_config_and_objects_come_back_as_given():
 X, Y = np.zeros((4, 3), np.float32), np.arange(4)
 DATA_CASES = [
     (dict(data=tf.data.Dataset.range(3)), "data=_RangeDataset: expected a tower_train.ArraySource, "
-     "TFRecordSource, DatasetSource or another tower_train.data.Source, or numpy arrays (x, y) or "
+     "TFRecordSource, DatasetSource or another tower_train.data.source.Source, or numpy arrays (x, y) or "
      "(x, y, w) (or leave it out and name --dataset) (wrap a tf.data pipeline as "
      "DatasetSource(train=lambda: ...))"),
     (dict(data=arrays(), data_dir="/data"),

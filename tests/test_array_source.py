@@ -1,11 +1,11 @@
-"""tower_train.array_source: an ArraySource hands any shape over as it is, takes several inputs and
+"""tower_train.data.array_source: an ArraySource hands any shape over as it is, takes several inputs and
 targets, and counts the classes. Its stream contract and its refusals beside the image sets' are
-test_data.py's."""
+test_source.py's."""
 import numpy as np
 import pytest
 
-from tower_train.array_source import ArraySource
-from tower_train.data import DataError
+from tower_train.data.array_source import ArraySource
+from tower_train.data.source import DataError
 
 
 def test_array_source_hands_any_shape_over_as_it_is_and_counts_classes():

@@ -21,7 +21,7 @@ import tensorflow as tf
 
 import tower_train.models as models
 from tower_train.models.resnet20 import ResNet20
-from tower_train import datasets
+from tower_train.data import catalog
 from tower_train.config import TrainConfig
 from tower_train.errors import UsageError
 from helpers import host_batches, make_run, weights
@@ -223,7 +223,7 @@ def test_resnet20_learns_in_tower_mode():
     """A few updates lower the loss on held-out examples (batch statistics, as in training)."""
     run = make_run(model="resnet20", num_gpus=1, batch_size=32, optimizer="momentum",
                    learning_rate=0.05)
-    images, labels, _ = next(iter(datasets.load_source("synthetic").eval_batches(128)))
+    images, labels, _ = next(iter(catalog.load_source("synthetic").eval_batches(128)))
 
     def held_out_loss():
         logits = run.state.model(images, training=True)

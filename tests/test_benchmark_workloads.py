@@ -9,7 +9,7 @@ import pytest
 import tensorflow as tf
 
 from helpers import TinyNet, weights
-from tower_train import run as run_module
+from tower_train.training import run as run_module
 from tower_train.benchmark import workloads
 from tower_train.benchmark.names import parse_config_name
 from tower_train.benchmark.workloads import build_workload, slow_first_tower

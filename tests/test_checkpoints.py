@@ -10,11 +10,12 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tower_train import checkpoints, run_dir
+from tower_train.training import checkpoints
+from tower_train.training import run_record
 from tower_train.errors import TrainingError, UsageError
-from tower_train.run_dir import RUN_FILE
+from tower_train.training.run_record import RUN_FILE
 
-RECORD = run_dir.RunRecord("mlp", None, "synthetic", 0, "momentum", 16, True)
+RECORD = run_record.RunRecord("mlp", None, "synthetic", 0, "momentum", 16, True)
 
 
 def state(shape=(2,), loss_scale=False) -> tf.train.Checkpoint:
@@ -242,7 +243,7 @@ def test_a_run_record_that_cannot_be_written_after_a_whole_checkpoint_keeps_the_
     def no_room(record, train_dir):
         raise OSError(28, NO_SPACE)
 
-    monkeypatch.setattr(run_dir.RunRecord, "write", no_room)
+    monkeypatch.setattr(run_record.RunRecord, "write", no_room)
     with pytest.raises(TrainingError) as error:
         writer.save(1)
     assert str(error.value) == (f"cannot write {RUN_FILE} in --train_dir={tmp_path} ({NO_SPACE}); {tmp_path}/ckpt-1 "

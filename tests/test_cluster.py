@@ -10,8 +10,8 @@ import pytest
 import yaml
 from tensorflow.python.distribute.cluster_resolver import slurm_cluster_resolver
 
-from tower_train import cluster
-from tower_train.cluster import WorkerInfo, parse_slurm, parse_tf_config, this_worker
+from tower_train.workers import cluster
+from tower_train.workers.cluster import WorkerInfo, parse_slurm, parse_tf_config, this_worker
 from tower_train.config import TrainConfig
 from tower_train.errors import TrainingError, UsageError
 from test_cli_errors import ROOT

@@ -19,12 +19,13 @@ import tensorflow as tf
 
 import tower_train
 import tower_train.models as models
-from tower_train import datasets, image_data
-from tower_train.run_dir import TrainDirLock
+from tower_train.data import catalog
+from tower_train.data import image_sets
+from tower_train.training.run_record import TrainDirLock
 from tower_train.errors import UsageError
-from tower_train.evaluation import (check_metrics, evaluate, make_metrics, shard_bounds,
+from tower_train.training.held_out import (check_metrics, evaluate, make_metrics, shard_bounds,
                                    shard_pass, use_moving_average)
-from tower_train.schedules import MovingAverage
+from tower_train.step.schedules import MovingAverage
 from test_cli_errors import ROOT, run_cli
 
 TOWERS = ("/cpu:1", "/cpu:2", "/cpu:3")  # conftest made /cpu:0..8
@@ -102,10 +103,10 @@ def test_evaluate_counts_every_example_once_over_three_towers(batch_size):
     images = small_source()
     model = SpyModel(len(images))
     with tf.device("/cpu:0"):  # the plain reference: one device, one batch
-        predicted = np.argmax(model.logits(image_data.center_standardize(images)).numpy(), axis=-1)
+        predicted = np.argmax(model.logits(image_sets.center_standardize(images)).numpy(), axis=-1)
     right = np.array([0, 2, 3, 5, 8])  # these examples get their predicted class as label
     labels = np.where(np.isin(np.arange(10), right), predicted, (predicted + 1) % 10).astype(np.int32)
-    source = image_data.image_source("small", images[:1], labels[:1], images, labels)
+    source = image_sets.image_source("small", images[:1], labels[:1], images, labels)
 
     evaluation = evaluate(model, source, batch_size, TOWERS)
 
@@ -117,14 +118,14 @@ def test_evaluate_counts_every_example_once_over_three_towers(batch_size):
 def test_a_models_later_evaluations_reuse_its_traced_pass(monkeypatch):
     """Tracing the pass (and, on a GPU, its first convolutions) takes seconds: only a model's first
     evaluation on a set of devices pays it, whatever the number of evaluations."""
-    from tower_train import evaluation as evaluation_module
+    from tower_train.training import held_out as evaluation_module
 
     traced = []
     shard_pass_of = evaluation_module.shard_pass
     monkeypatch.setattr(evaluation_module, "shard_pass",
                         lambda *args, **kwargs: traced.append(args) or shard_pass_of(*args, **kwargs))
     images = small_source()
-    source = image_data.image_source("small", images[:1], np.zeros(1, np.int32), images, np.zeros(10, np.int32))
+    source = image_sets.image_source("small", images[:1], np.zeros(1, np.int32), images, np.zeros(10, np.int32))
     model, other = SpyModel(len(images)), SpyModel(len(images))
     first = evaluate(model, source, 5, TOWERS)
     assert evaluate(model, source, 5, TOWERS) == first
@@ -147,7 +148,7 @@ def test_shards_are_contiguous_cover_the_batch_and_differ_by_at_most_one():
 def test_each_shard_runs_on_its_own_tower():
     model = SpyModel(10)
     run_shards = shard_pass(model, TOWERS)
-    images = image_data.center_standardize(small_source())
+    images = image_sets.center_standardize(small_source())
     graph = run_shards.get_concrete_function(images, tf.zeros([10], tf.int32), tf.ones([10])).graph
     placed = {tf.DeviceSpec.from_string(op.device).device_index for op in graph.get_operations()
               if op.type in ("If", "StatelessIf")}
@@ -240,7 +241,7 @@ def test_check_metrics_makes_no_metric_so_fit_can_still_split_the_devices(tmp_pa
     script = tmp_path / "check_then_split.py"
     script.write_text(
         "import tensorflow as tf\n"
-        "from tower_train.evaluation import check_metrics\n"
+        "from tower_train.training.held_out import check_metrics\n"
         "checked = check_metrics(['sparse_top_k_categorical_accuracy', 'mse'])\n"
         "assert checked == ['sparse_top_k_categorical_accuracy', 'mse'], checked\n"
         "cpu = tf.config.list_physical_devices('CPU')[0]\n"
@@ -403,7 +404,7 @@ def test_eval_prints_the_precision_of_the_restored_weights(runs, weights):
     result = results[weights][0]
     precision, loss, count = printed(result)
     assert count == 2000  # the synthetic held-out split
-    source = datasets.load_source("synthetic", None)
+    source = catalog.load_source("synthetic", None)
     model = restore_independently(str(train_dir / "ckpt-2"), moving_average=weights == "ema")
 
     expected = evaluate(model, source, 999, TOWERS)
@@ -440,7 +441,7 @@ def test_bad_input_is_one_line_and_writes_nothing(runs, name, expected):
 
 def test_a_damaged_data_file_or_another_network_is_refused_in_one_line(runs):
     """The checks after the cheap ones, called in this process."""
-    from tower_train import eval_checkpoint
+    from tower_train.training import eval_checkpoint
 
     train_dir, _ = runs
     copy = train_dir.parent / "damaged"

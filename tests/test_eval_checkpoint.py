@@ -3,9 +3,9 @@ to evaluate found from the files whatever the index says, and a train_dir of ano
 by its run record before any tensor is read."""
 import pytest
 
-from tower_train import eval_checkpoint
+from tower_train.training import eval_checkpoint
 from tower_train.errors import UsageError
-from tower_train.run_dir import RUN_FILE
+from tower_train.training.run_record import RUN_FILE
 from test_checkpoints import train
 
 

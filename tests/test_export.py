@@ -12,7 +12,9 @@ import tensorflow as tf
 from absl import logging as absl_logging
 
 import tower_train.models as models
-from tower_train import datasets, export, image_data
+from tower_train import export
+from tower_train.data import catalog
+from tower_train.data import image_sets
 from tower_train.model_spec import ModelSpec
 from tower_train.errors import UsageError
 from helpers import END_PAUSE_LIMIT, end_pause_seconds
@@ -38,7 +40,7 @@ np.save(logits_file, logits.numpy())
 
 def raw_images():
     """uint8 [18, 32, 32, 3]: 16 held-out images, a black one and a white one (zero variance)."""
-    held_out = datasets.load_source("synthetic", None).eval_features[:16]
+    held_out = catalog.load_source("synthetic", None).eval_features[:16]
     flat = np.stack([np.zeros((32, 32, 3), np.uint8), np.full((32, 32, 3), 255, np.uint8)])
     return np.concatenate([held_out, flat])
 
@@ -84,9 +86,9 @@ def test_the_export_serves_the_averaged_weights_without_tower_train(tmp_path):
     checkpoint = str(train_dir / "ckpt-2")
     averaged = cnn_from_checkpoint(checkpoint, moving_average=True)
     with tf.device("/cpu:0"):
-        expected = averaged(image_data.center_standardize(images)).numpy()
+        expected = averaged(image_sets.center_standardize(images)).numpy()
         trained = cnn_from_checkpoint(checkpoint, moving_average=False)(
-            image_data.center_standardize(images)).numpy()
+            image_sets.center_standardize(images)).numpy()
     assert served.shape == (18, 10)
     np.testing.assert_allclose(served, expected, rtol=1e-5, atol=1e-5)
     assert np.max(np.abs(served - trained)) > 1e-3  # the averages, not the trained weights
@@ -127,7 +129,7 @@ def test_export_dir_filled_while_writing_is_not_overwritten(tmp_path, monkeypatc
 
     monkeypatch.setattr(export.tf.saved_model, "save", save_then_someone_writes)
     with pytest.raises(UsageError, match="exists and is not empty"):
-        export.export_saved_model(CNN, datasets.load_source("synthetic"), fresh_cnn(), None, str(export_dir))
+        export.export_saved_model(CNN, catalog.load_source("synthetic"), fresh_cnn(), None, str(export_dir))
     assert sorted(os.listdir(tmp_path)) == ["export"]  # the staging directory is gone
     assert os.listdir(export_dir) == ["theirs"]
     assert (export_dir / "theirs").read_text() == "precious"
@@ -141,7 +143,7 @@ def test_without_a_moving_average_the_trained_weights_go_into_an_empty_export_di
     absl_logging.set_verbosity(absl_logging.INFO)  # as the CLI does; else saving resets it to WARNING
     try:
         with caplog.at_level(logging.INFO):
-            export.export_saved_model(CNN, datasets.load_source("synthetic"), model, None, str(export_dir))
+            export.export_saved_model(CNN, catalog.load_source("synthetic"), model, None, str(export_dir))
     finally:
         absl_logging.set_verbosity(verbosity)
     assert "exported the trained weights (no moving average: --ema_decay=0)" in caplog.text
@@ -149,7 +151,7 @@ def test_without_a_moving_average_the_trained_weights_go_into_an_empty_export_di
     serve = tf.saved_model.load(str(export_dir)).signatures["serving_default"]
     served = serve(features=tf.constant(images))["logits"]
     with tf.device("/cpu:0"):
-        expected = model(image_data.center_standardize(images))
+        expected = model(image_sets.center_standardize(images))
     np.testing.assert_allclose(served.numpy(), expected.numpy(), rtol=1e-5, atol=1e-5)
     # Any other shape or dtype is refused at the signature, with the declared one named.
     for wrong in (np.zeros((2, 64, 64, 3), np.uint8), np.zeros((2, 24, 24, 3), np.uint8),

@@ -309,7 +309,7 @@ def test_train_result_holds_the_trained_network_and_the_history(tmp_path):
 
 def token_tagger() -> keras.Sequential:
     """Token ids [B, 48] -> logits [B, 48, 32]: the built-in markov_text's shapes."""
-    from tower_train.text_data import LENGTH, VOCABULARY
+    from tower_train.data.text_sets import LENGTH, VOCABULARY
 
     return keras.Sequential([keras.Input((LENGTH,), dtype="int32"), keras.layers.Embedding(VOCABULARY, 8),
                              keras.layers.Dense(VOCABULARY)])
@@ -320,7 +320,7 @@ def test_a_per_token_loss_callable_on_padded_sequences_gives_the_update_of_the_w
     """Σw·ℓ/Σw over the real tokens of the whole update, against a plain GradientTape step on it;
     and Keras's own fit on the same batch, which divides by the number of labels (padding
     included), is off from it by exactly Σw / (G·48) (docs/models.md states it for markov_text)."""
-    from tower_train.text_data import markov_text
+    from tower_train.data.text_sets import markov_text
 
     source = markov_text()
     g, updates = 32, 2

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from tower_train.launch import gpus_of_worker, how_it_ended
-from tower_train.run_dir import TrainDirLock
+from tower_train.training.run_record import TrainDirLock
 from helpers import read_until
 from test_cli_errors import ROOT
 from test_train import checkpoint_values

@@ -13,7 +13,7 @@ import tensorflow as tf
 
 import tower_train
 import tower_train.models as models
-from tower_train import datasets
+from tower_train.data import catalog
 from tower_train.errors import UsageError
 from test_cli_errors import ROOT, run_cli
 
@@ -98,7 +98,7 @@ class Tagger(TowerModel):
         return self.logits(self.embed(tokens))
 
 
-@tower_train.data.register("user_tokens")
+@tower_train.data.source.register("user_tokens")
 def tokens():
     rng = np.random.default_rng(0)
     ids = rng.integers(0, 50, (256, 6))
@@ -209,21 +209,21 @@ def test_fit_refuses_a_second_loss_or_num_classes_for_a_registered_keras_functio
 
 
 def test_tiny_transformer_is_causal_and_recompute_keeps_its_gradients():
-    from tower_train import text_data
-    from tower_train.towers import tower_loss_and_gradients
+    from tower_train.data import text_sets
+    from tower_train.step.towers import tower_loss_and_gradients
 
-    source = datasets.load_source("markov_text")
+    source = catalog.load_source("markov_text")
     features, labels, label_weights = (tf.constant(a[:4]) for a in (
         source.train_features, source.train_labels, source.train_weights))
     results = {}
     for recompute in (False, True):
         tf.keras.utils.set_random_seed(0)
-        model = models.model_class("tiny_transformer")(num_classes=text_data.VOCABULARY,
+        model = models.model_class("tiny_transformer")(num_classes=text_sets.VOCABULARY,
                                                       recompute=recompute)
         logits = model(features)
-        assert logits.shape == (4, text_data.LENGTH, text_data.VOCABULARY)
+        assert logits.shape == (4, text_sets.LENGTH, text_sets.VOCABULARY)
         # Causal: changing the last token changes no earlier position's logits.
-        changed = tf.concat([features[:, :-1], (features[:, -1:] + 1) % text_data.VOCABULARY], axis=1)
+        changed = tf.concat([features[:, :-1], (features[:, -1:] + 1) % text_sets.VOCABULARY], axis=1)
         np.testing.assert_allclose(model(changed)[:, :-1], logits[:, :-1], atol=1e-5)
 
         @tf.function
@@ -240,19 +240,19 @@ def test_tiny_transformer_is_causal_and_recompute_keeps_its_gradients():
 
 
 def test_markov_text_is_padded_next_token_data_with_a_weak_unigram_baseline():
-    from tower_train import text_data
+    from tower_train.data import text_sets
 
-    source = datasets.load_source("markov_text")
+    source = catalog.load_source("markov_text")
     x, y, w = source.train_features, source.train_labels, source.train_weights
-    assert x.shape == y.shape == w.shape == (8000, text_data.LENGTH) and source.num_classes == 32
+    assert x.shape == y.shape == w.shape == (8000, text_sets.LENGTH) and source.num_classes == 32
     np.testing.assert_array_equal(x[:, 1:], y[:, :-1])  # labels are the next tokens
     real = w.sum(axis=1).astype(int)
     assert real.min() == 7 and real.max() == 47 and len(set(real)) > 30  # lengths vary
     for row, tokens in zip(x[:50], real[:50]):
-        assert row[0] == text_data.START and (row[tokens + 1:] == text_data.PAD).all()
-    assert all(y[i, real[i] - 1] == text_data.END for i in range(50))
-    assert ((w == 0) == (y == text_data.PAD)).all()  # weight 0 exactly on padding
-    assert 0.02 < text_data.unigram_precision() < 0.1
+        assert row[0] == text_sets.START and (row[tokens + 1:] == text_sets.PAD).all()
+    assert all(y[i, real[i] - 1] == text_sets.END for i in range(50))
+    assert ((w == 0) == (y == text_sets.PAD)).all()  # weight 0 exactly on padding
+    assert 0.02 < text_sets.unigram_precision() < 0.1
 
 
 def test_a_model_module_is_a_module_name_or_a_path_to_a_py_file(tmp_path, monkeypatch):

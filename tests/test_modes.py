@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tower_train.cluster import WorkerInfo, parse_tf_config
+from tower_train.workers.cluster import WorkerInfo, parse_tf_config
 from tower_train.config import MODE_RULES, TrainConfig
 from tower_train.devices import canonical_device, plan_devices
 from tower_train.errors import UsageError
-from tower_train.modes import MODES, build_mode, fit_plan_to_mode, resolve_all_reduce
+from tower_train.step.modes import MODES, build_mode, fit_plan_to_mode, resolve_all_reduce
 from helpers import cross_tower_ops, make_run, read_until, weights
 from test_cli_errors import ROOT
 from test_train import checkpoint_values

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tower_train import datasets
+from tower_train.data import catalog
 from tower_train.config import TrainConfig
 from tower_train.model_spec import build_model, resolve_model
 from tower_train.normalization import compare_normalizations
@@ -30,7 +30,7 @@ def by_hand(config: TrainConfig, updates: int) -> list[tuple[float, float, float
     """(sum(w * loss) / sum(w), the mean over the N x K shards of each one's sum(w * loss) /
     sum(w), |g_means - g| / |g|) per update, from one tape over the update's G examples, on the
     initial model the command builds (same seed); softmax cross-entropy, no regularization."""
-    source = datasets.load_source(config.dataset, None, False)
+    source = catalog.load_source(config.dataset, None, False)
     keras.utils.set_random_seed(config.seed)
     model = build_model(resolve_model(None, config, None, source.num_classes), source, config)
     micro_batch = sum(config.tower_shard_sizes)

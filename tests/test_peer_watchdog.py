@@ -1,4 +1,4 @@
-"""tower_train.peer_watchdog: which peers are blamed when a worker waits on them too long, and the
+"""tower_train.workers.peer_watchdog: which peers are blamed when a worker waits on them too long, and the
 watchdog's child carrying a worker's stderr."""
 import os
 import socket
@@ -6,8 +6,8 @@ import subprocess
 import sys
 import threading
 
-from tower_train import peer_watchdog
-from tower_train.cluster import WorkerInfo
+from tower_train.workers import peer_watchdog
+from tower_train.workers.cluster import WorkerInfo
 from test_cli_errors import ROOT
 
 
@@ -25,7 +25,8 @@ def test_the_watchdog_carries_a_workers_stderr_on_when_no_one_reads_it():
     the worker's code (and leaving the worker's own writes to fail)."""
     script = """if True:
         import os, sys, time
-        from tower_train import cluster, peer_watchdog
+        from tower_train.workers import cluster
+        from tower_train.workers import peer_watchdog
         try:
             watchdog = peer_watchdog.PeerWatchdog(cluster.WorkerInfo(0, 2, True, ("127.0.0.1:1",)), 60, "t")
         except BaseException as e:

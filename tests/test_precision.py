@@ -16,11 +16,11 @@ from helpers import make_run, weights
 from test_cli_errors import run_cli
 import test_traffic  # noqa: F401 (registers test_traffic_probe: Dense, BN, Dense)
 import tower_train.models as models
-from tower_train import tower_mode
+from tower_train.step import tower_mode
 from tower_train.devices import canonical_device
-from tower_train.inner_step import Decision
-from tower_train.towers import read_in_compute_dtype
-from tower_train.update_rule import LossScale
+from tower_train.step.inner_step import Decision
+from tower_train.step.towers import read_in_compute_dtype
+from tower_train.step.update_rule import LossScale
 
 SGD = dict(optimizer="sgd", learning_rate=0.1, ema_decay=0.0, batch_size=4)
 

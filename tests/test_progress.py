@@ -1,4 +1,4 @@
-"""tower_train.progress in this process, driven by scripted update events (their wall times
+"""tower_train.training.progress in this process, driven by scripted update events (their wall times
 given, not measured): the log lines and their examples/sec, the TensorBoard scalars read back
 from the event file, the live line's rate, and summaries turned off when their directory cannot
 be made. Every rate is checked against the hand computation global batch x timed updates / their
@@ -11,8 +11,8 @@ import pytest
 import tensorflow as tf
 
 from tower_train.config import TrainConfig
-from tower_train.progress import Progress, Summaries, new_history
-from tower_train.hooks import UpdateEvent
+from tower_train.training.progress import Progress, Summaries, new_history
+from tower_train.training.hooks import UpdateEvent
 
 GLOBAL_BATCH = 64
 LEARNING_RATE = 0.25

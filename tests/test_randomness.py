@@ -10,7 +10,7 @@ import tensorflow as tf
 
 import tower_train
 from tower_train.models import TowerModel
-from tower_train.towers import pass_seeds, seed_generator_states
+from tower_train.step.towers import pass_seeds, seed_generator_states
 from helpers import make_run, weights
 from test_train import checkpoint_values
 

@@ -14,7 +14,7 @@ import tensorflow as tf
 import tower_train.models as models
 from tower_train.errors import UsageError
 from tower_train.model_spec import check_training_pass
-from tower_train.towers import tower_loss_and_gradients
+from tower_train.step.towers import tower_loss_and_gradients
 from helpers import make_run, weights
 from test_cli_errors import run_cli
 

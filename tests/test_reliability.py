@@ -37,7 +37,7 @@ def test_a_second_run_in_a_train_dir_is_refused_naming_the_holder_until_it_dies(
     holder = subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(f"""
             import time
-            from tower_train.run_dir import TrainDirLock
+            from tower_train.training.run_record import TrainDirLock
             TrainDirLock({str(train_dir)!r})
             print("held", flush=True)
             time.sleep(600)
@@ -52,7 +52,7 @@ def test_a_second_run_in_a_train_dir_is_refused_naming_the_holder_until_it_dies(
         holder.send_signal(signal.SIGKILL)  # no clean-up runs: only the kernel can release the lock
         holder.wait(timeout=60)
 
-    from tower_train.run_dir import TrainDirLock
+    from tower_train.training.run_record import TrainDirLock
     TrainDirLock(str(train_dir)).release()  # free again
 
 
@@ -215,7 +215,7 @@ def _wait_when_evaluating(features, seeds, training):
         return tf.cast(features, tf.float32)
 
 
-@tower_train.data.register("slow_evaluation")
+@tower_train.data.source.register("slow_evaluation")
 def slow_evaluation():
     rng = np.random.default_rng(0)
     return tower_train.ArraySource(

@@ -113,7 +113,7 @@ def test_a_second_signal_during_the_save_ends_the_run_at_once_and_silently(tmp_p
     into its pipe (once a BrokenPipeError report). No TensorFlow: StopSignals alone."""
     script = textwrap.dedent(f"""
         import os, signal, time
-        from tower_train.stop_signals import StopSignals
+        from tower_train.training.stop_signals import StopSignals
         stop = StopSignals()
         stop.listen(30, {str(tmp_path)!r})
         os.kill(os.getpid(), signal.SIGTERM)

@@ -1,4 +1,4 @@
-"""tower_train.run in this process: a run's state is seeded alike in every mode, its inner step is
+"""tower_train.training.run in this process: a run's state is seeded alike in every mode, its inner step is
 built after a restore (and so keeps the restored statistics), its stream starts at the state's
 position, and its layout line."""
 import keras
@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tower_train import datasets
+from tower_train.data import catalog
 from tower_train.models import TowerModel, register
-from tower_train.run import Run
+from tower_train.training.run import Run
 from helpers import make_run, weights
 
 
@@ -59,7 +59,7 @@ def test_runs_of_one_config_start_from_the_same_weights_in_every_mode():
 def test_batches_start_at_the_position_the_state_holds():
     run = make_run(num_gpus=2, batch_size=3)
     micro = 2 * 3
-    source = datasets.load_source("synthetic", None, run.config.augment)
+    source = catalog.load_source("synthetic", None, run.config.augment)
     fresh = iter(source.train_stream(seed=run.config.seed, start_position=0, micro_batch=micro,
                                      preprocessed=False))
     third = [next(fresh) for _ in range(3)][2]

@@ -12,8 +12,8 @@ import tensorflow as tf
 
 import tower_train
 from tower_train.devices import canonical_device
-from tower_train.inner_step import Decision
-from tower_train.spread import Slice, SpreadPlacement, SpreadState, slice_rows
+from tower_train.step.inner_step import Decision
+from tower_train.step.spread import Slice, SpreadPlacement, SpreadState, slice_rows
 from tower_train.traffic import count_traffic
 from helpers import host_batches, make_run, weights
 from test_train import checkpoint_values

@@ -1,4 +1,4 @@
-"""tower_train.stop_deadline: the message naming what a killed run keeps (in this process), and
+"""tower_train.training.stop_deadline: the message naming what a killed run keeps (in this process), and
 the deadline process itself, run as StopSignals.listen runs it (its own process is the point),
 against a stand-in run (`sleep`): a boundary or a signal that is no stop kills nothing, a stop
 past the grace period SIGKILLs the run, and a Ctrl-C to the deadline process is not its own.
@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from tower_train import stop_deadline
+from tower_train.training import stop_deadline
 
 WAIT = 60  # seconds any child is given before the test fails
 

@@ -1,15 +1,15 @@
-"""Tests of tower_train.tfrecord_check on files TensorFlow writes: its CRC-32C is the one in their
+"""Tests of tower_train.data.tfrecord_check on files TensorFlow writes: its CRC-32C is the one in their
 records, a record whose data fails its checksum is found where TensorFlow's error points, and
 patterns become files in order, each once. The refusals as a TFRecordSource's user meets them are
-test_tfrecord_source.py's."""
+test_tfrecord.py's."""
 import os
 import struct
 
 import pytest
 import tensorflow as tf
 
-from tower_train.data import DataError
-from tower_train.tfrecord_check import checked_files, file_fault, masked_crc32c
+from tower_train.data.source import DataError
+from tower_train.data.tfrecord_check import checked_files, file_fault, masked_crc32c
 
 
 def write_records(path: str, records: list[bytes]) -> None:

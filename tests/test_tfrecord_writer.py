@@ -1,4 +1,4 @@
-"""Tests of tower_train.tfrecord_writer: write_examples's rows read back as TensorFlow parses them."""
+"""Tests of tower_train.data.tfrecord_writer: write_examples's rows read back as TensorFlow parses them."""
 
 import gzip
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tower_train.tfrecord_writer import write_examples
+from tower_train.data.tfrecord_writer import write_examples
 
 
 def test_write_examples_round_trip(tmp_path):

@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tower_train.data import RawInput
+from tower_train.data.source import RawInput
 from tower_train.devices import canonical_device
-from tower_train.towers import combine_gradients
+from tower_train.step.towers import combine_gradients
 from helpers import cross_tower_ops, make_run, weights
 
 LR = 0.1

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tower_train.schedules import UpdateSchedule, scaled_rate, updates_per_decay
+from tower_train.step.schedules import UpdateSchedule, scaled_rate, updates_per_decay
 from helpers import make_run, weights, unit_weighted
 
 BATCH, TOWERS, ACCUM = 4, 2, 3

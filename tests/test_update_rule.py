@@ -1,4 +1,4 @@
-"""tower_train.update_rule in this process, on the default CPU device: the loss scale's policy
+"""tower_train.step.update_rule in this process, on the default CPU device: the loss scale's policy
 (Keras's LossScaleOptimizer, one decision per update), clipping by the update's global norm, what
 one applied or refused update moves, and BatchNorm's statistics kept and restored; each against
 numpy, Keras or a formula written out here."""
@@ -10,9 +10,9 @@ import pytest
 import tensorflow as tf
 
 from tower_train.models.base import TowerModel
-from tower_train.schedules import MovingAverage, UpdateSchedule
-from tower_train.inner_step import Decision
-from tower_train.update_rule import LossScale, TrainingStatistics, UpdateRule
+from tower_train.step.schedules import MovingAverage, UpdateSchedule
+from tower_train.step.inner_step import Decision
+from tower_train.step.update_rule import LossScale, TrainingStatistics, UpdateRule
 
 FEATURES = 4
 

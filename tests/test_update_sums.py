@@ -6,8 +6,8 @@ import pytest
 import tensorflow as tf
 
 from tower_train.models import TowerModel
-from tower_train.towers import TowerResult
-from tower_train.update_sums import UpdateSums
+from tower_train.step.towers import TowerResult
+from tower_train.step.update_sums import UpdateSums
 
 
 class Net(TowerModel):

@@ -13,7 +13,7 @@ import pytest
 import tensorflow as tf
 
 import tower_train
-from tower_train.inner_step import Decision
+from tower_train.step.inner_step import Decision
 from tower_train.models import l2_loss
 from helpers import make_run, weights
 from test_cli_errors import run_cli
@@ -176,7 +176,7 @@ def test_an_update_whose_weights_are_all_zero_is_refused_and_changes_nothing(mod
 
 
 def test_held_out_precision_counts_weighted_tokens():
-    from tower_train.evaluation import check_metrics, evaluate, make_metrics
+    from tower_train.training.held_out import check_metrics, evaluate, make_metrics
 
     tokens = np.array([[1, 2, 3], [4, 5, 6]])
     labels = np.array([[1, 2, 0], [4, 0, 0]])
@@ -214,7 +214,7 @@ from tower_train.models import l2_loss, register
 @register("test_tagger")
 """ + inspect.getsource(Tagger) + """
 
-@tower_train.data.register("test_padded_tokens")
+@tower_train.data.source.register("test_padded_tokens")
 def padded_tokens():
     # Positions 0-3 of every 8 hold one real token, 4-7 eight: with two workers of 4 examples
     # per micro-step, worker 0 counts 4 tokens and worker 1 counts 32.

@@ -13,12 +13,12 @@ _LAZY = {
     "fit": "tower_train.api",
     "create_devices": "tower_train.api",
     "evaluate_checkpoint": "tower_train.eval",
-    "ArraySource": "tower_train.array_source",
-    "Source": "tower_train.data",
-    "DatasetSource": "tower_train.dataset_source",
-    "TFRecordSource": "tower_train.tfrecord_source",
+    "ArraySource": "tower_train.data.array_source",
+    "Source": "tower_train.data.source",
+    "DatasetSource": "tower_train.data.tf_dataset",
+    "TFRecordSource": "tower_train.data.tfrecord",
     "TowerModel": "tower_train.models",
-    "TrainResult": "tower_train.trainer",
+    "TrainResult": "tower_train.training.controller",
 }
 
 __all__ = ["Stopped", "TrainingError", "UsageError", *_LAZY]

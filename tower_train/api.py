@@ -24,7 +24,8 @@ import os
 import sys
 from typing import Iterator
 
-from tower_train import cluster, peer_watchdog
+from tower_train.workers import cluster
+from tower_train.workers import peer_watchdog
 from tower_train.config import TrainConfig, check_directories
 from tower_train.errors import TrainingError, UsageError
 
@@ -125,7 +126,8 @@ def _devices_and_reduction(config: TrainConfig, announce: bool = False) -> tuple
     mode is built with."""
     from absl import logging
 
-    from tower_train import devices, modes
+    from tower_train import devices
+    from tower_train.step import modes
     from tower_train.numerics import tf32_note
 
     machine_plan = devices.plan_for_this_machine(config.num_gpus, config.ps_device, config.gpu_memory_mb)
@@ -148,7 +150,7 @@ def array_source(data: object, eval_data: object, shuffle: bool | None,
     Raises:
       UsageError: eval_data or shuffle without arrays, or arrays that do not fit together.
     """
-    from tower_train.array_source import ArraySource
+    from tower_train.data.array_source import ArraySource
 
     if not isinstance(data, tuple):
         given = "None (a --dataset)" if data is None else type(data).__name__
@@ -201,19 +203,20 @@ def _float_labels(arrays: tuple) -> tuple:
 
 def check_data(config: TrainConfig, data: object) -> None:
     """The data argument and the data options, before anything is loaded."""
-    from tower_train import data as data_module, datasets
+    from tower_train.data import source as data_module
+    from tower_train.data import catalog
     from tower_train.user_code import import_user_module
 
     if data is None:
         if config.data_module:
             import_user_module(config.data_module, "--data_module")
-        datasets.check_dataset(config.dataset, config.data_dir, config.augment)
+        catalog.check_dataset(config.dataset, config.data_dir, config.augment)
         return
     if not isinstance(data, data_module.Source):
         hint = (" (wrap a tf.data pipeline as DatasetSource(train=lambda: ...))"
                 if type(data).__module__.startswith("tensorflow") else "")
         raise UsageError(f"data={type(data).__name__}: expected a tower_train.ArraySource, "
-                         "TFRecordSource, DatasetSource or another tower_train.data.Source, or numpy "
+                         "TFRecordSource, DatasetSource or another tower_train.data.source.Source, or numpy "
                          f"arrays (x, y) or (x, y, w) (or leave it out and name --dataset){hint}")
     for name in ("data_dir", "augment", "data_module"):
         if getattr(config, name) != getattr(TrainConfig, name):
@@ -223,7 +226,7 @@ def check_data(config: TrainConfig, data: object) -> None:
 
 def check_input_memory(config: TrainConfig, source, towers: int) -> None:
     """Refuses a training or evaluation batch whose inputs alone would not fit in memory."""
-    from tower_train import data as data_module
+    from tower_train.data import source as data_module
 
     available = data_module.available_memory_bytes()
     if available is None:
@@ -264,7 +267,7 @@ def fit(model: object = None, data: object = None, *, num_classes: int | None = 
       metrics: Keras metric names ("sparse_top_k_categorical_accuracy") or `keras.metrics.Metric`
         objects, computed at every held-out evaluation over every held-out example once, beside
         precision @ 1 and the held-out loss (docs/models.md#held-out-metrics).
-      stop: a `tower_train.stop_signals.StopSignals` to stop at an update boundary on SIGTERM,
+      stop: a `tower_train.training.stop_signals.StopSignals` to stop at an update boundary on SIGTERM,
         SIGINT or SIGHUP (the CLI passes one); None leaves signals alone.
       watchdog: told of progress and of local work (the CLI's multi-worker `PeerWatchdog`).
       show_progress: True: a live line when stderr is a terminal, and the run's log lines (the
@@ -277,7 +280,7 @@ def fit(model: object = None, data: object = None, *, num_classes: int | None = 
         rate or schedule and clipping: the learning-rate options are then refused).
 
     Returns:
-      A `tower_train.trainer.TrainResult`: step, loss, eval_precision, eval_loss, eval_examples,
+      A `tower_train.training.controller.TrainResult`: step, loss, eval_precision, eval_loss, eval_examples,
       eval_metrics, checkpoint, model (the trained network, the user's own object) and history.
 
     Raises:
@@ -289,11 +292,11 @@ def fit(model: object = None, data: object = None, *, num_classes: int | None = 
     config, model, data = config_and_objects(model, data, options)
     _warn_unused_devices(config)
     if callbacks is not None:
-        from tower_train.callbacks import check_callbacks
+        from tower_train.training.keras_callbacks import check_callbacks
 
         callbacks = check_callbacks(callbacks)
     if metrics is not None:
-        from tower_train.evaluation import check_metrics
+        from tower_train.training.held_out import check_metrics
 
         metrics = check_metrics(metrics)
     check_directories(config)
@@ -309,7 +312,7 @@ def fit(model: object = None, data: object = None, *, num_classes: int | None = 
         from tower_train.models import model_class
 
         model_class(config.model, config.model_module)  # a bad name fails before the devices
-    from tower_train.run_dir import TrainDirLock
+    from tower_train.training.run_record import TrainDirLock
 
     # The chief writes the checkpoints, so it holds the train_dir for the whole run.
     shown = log_shown() if show_progress else contextlib.nullcontext()
@@ -357,22 +360,23 @@ def _fit(config: TrainConfig, worker, model, loss, optimizer, data, num_classes,
 
     import tensorflow as tf
 
-    from tower_train import datasets, trainer
-    from tower_train.evaluation import make_metrics
+    from tower_train.data import catalog
+    from tower_train.training import controller
+    from tower_train.training.held_out import make_metrics
     from tower_train.model_spec import resolve_model
-    from tower_train.modes import build_mode
+    from tower_train.step.modes import build_mode
 
     watchdog.progress()  # the clock starts: a multi-worker strategy's start-up waits on the peers
     mode = build_mode(config, plan, worker, all_reduce)  # first: a multi-worker strategy must precede other ops
     with watchdog.local_work():
         metrics = make_metrics(metrics)
-        source = data if data is not None else datasets.load_source(
+        source = data if data is not None else catalog.load_source(
             config.dataset, config.data_dir, config.augment)
         source.check()
         check_input_memory(config, source, len(plan.tower_devices))
         spec = resolve_model(model, config, num_classes, source.num_classes, loss, optimizer)
     try:
-        return trainer.train(config, spec, source, mode, watchdog, stop,
+        return controller.train(config, spec, source, mode, watchdog, stop,
                              live_progress=live_progress, callbacks=callbacks,
                              metrics=metrics)
     except (tf.errors.UnavailableError, tf.errors.DeadlineExceededError,

@@ -24,7 +24,8 @@ from typing import Callable, Iterable, Iterator
 
 from absl import flags, logging
 
-from tower_train import cluster, peer_watchdog
+from tower_train.workers import cluster
+from tower_train.workers import peer_watchdog
 from tower_train import flags as tt_flags
 from tower_train.config import TrainConfig
 from tower_train.errors import Stopped, TrainingError, UsageError
@@ -124,7 +125,7 @@ def _train(argv: list[str]) -> int:
     try:
         load_tensorflow()
         from tower_train.api import fit
-        from tower_train.stop_signals import StopSignals
+        from tower_train.training.stop_signals import StopSignals
 
         fit(stop=StopSignals(), watchdog=watchdog,
             **{name: getattr(config, name) for name in tt_flags.TRAINING_FLAGS})

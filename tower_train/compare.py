@@ -95,12 +95,12 @@ def compare_modes(config: TrainConfig, plan: DevicePlan, modes: list[str]) -> di
 
 
 def _compare_modes(config: TrainConfig, plan: DevicePlan, modes: list[str]) -> dict[str, ModeRun]:
-    from tower_train import datasets
+    from tower_train.data import catalog
     from tower_train.model_spec import resolve_model
-    from tower_train.modes import build_mode
-    from tower_train.run import Run
+    from tower_train.step.modes import build_mode
+    from tower_train.training.run import Run
 
-    source = datasets.load_source(config.dataset, config.data_dir, config.augment)
+    source = catalog.load_source(config.dataset, config.data_dir, config.augment)
     spec = resolve_model(None, config, None, source.num_classes)
     runs, streams = {}, {}
     for m in modes:

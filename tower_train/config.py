@@ -61,7 +61,7 @@ PS_DEVICES = ("cpu", "gpu", "spread")  # spread: over the tower devices (tower m
 TOWER_WEIGHTS = ("per_update", "per_micro_step")  # how often tower mode's towers fetch the weights
 OPTIMIZERS = ("sgd", "momentum", "adam")
 NONFINITE_POLICIES = ("stop", "skip")
-SCHEDULES = ("constant", "exponential", "cosine")  # of the learning rate; see tower_train.schedules
+SCHEDULES = ("constant", "exponential", "cosine")  # of the learning rate; see tower_train.step.schedules
 PRECISIONS = ("fp32", "bf16", "fp16")  # compute dtype of the towers; variables stay float32
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # the dtype each precision names
 MAX_SEED = 2**32 - 1  # Keras's set_random_seed takes no larger seed
@@ -140,10 +140,10 @@ class TrainConfig:
     dataset: str = option(
         "synthetic", "Registered data set: synthetic (embedded), cifar10 (binary files in "
         "--data_dir), or one that --data_module registers.", main=True)
-    # Imported first, so that its @tower_train.data.register runs before --dataset is looked up.
+    # Imported first, so that its @tower_train.data.source.register runs before --dataset is looked up.
     data_module: str | None = option(
         None, "Python module to import before looking up --dataset (the current directory is "
-        "searched first), so that its @tower_train.data.register runs.", main=True)
+        "searched first), so that its @tower_train.data.source.register runs.", main=True)
     # Only --dataset=cifar10 reads files.
     data_dir: str | None = option(
         None, "Directory of the CIFAR-10 binary files (--dataset=cifar10 only).")

@@ -10,7 +10,7 @@ It takes the training flags (--model, --model_module, --dataset, --data_module,
 --[no]use_ema.
 The CPU (or GPU 0) is split into logical devices exactly as for training, and
 every held-out example is counted once, spread over the --num_gpus towers
-(`tower_train.evaluation`). The result is one line on stdout:
+(`tower_train.training.held_out`). The result is one line on stdout:
 
     precision @ 1 = 0.2650, loss = 3.1382 (2000 examples)   # flags/quick.flags' 20 updates
 
@@ -32,7 +32,7 @@ from tower_train.cli import command, load_tensorflow, parse_config
 from tower_train.config import HAND_PLACED_MODE
 
 if TYPE_CHECKING:  # TensorFlow loads only once the flags are checked
-    from tower_train.evaluation import Evaluation
+    from tower_train.training.held_out import Evaluation
 
 EVAL_FLAGS = tt_flags.define_eval_flags()
 
@@ -63,11 +63,12 @@ def evaluate_checkpoint(model: object = None, data: object = None, *, checkpoint
     """
     from absl import logging
 
-    from tower_train import checkpoints, eval_checkpoint
+    from tower_train.training import checkpoints
+    from tower_train.training import eval_checkpoint
 
     config, model, data = config_and_objects(model, data, options)
     if metrics is not None:
-        from tower_train.evaluation import check_metrics
+        from tower_train.training.held_out import check_metrics
 
         metrics = check_metrics(metrics)
     if model is None:  # a registered name: checked against the run record before any TF work
@@ -82,12 +83,13 @@ def evaluate_checkpoint(model: object = None, data: object = None, *, checkpoint
 
     import tensorflow as tf
 
-    from tower_train import datasets, evaluation
+    from tower_train.data import catalog
+    from tower_train.training import held_out
     from tower_train.model_spec import build_model, resolve_model
-    from tower_train.schedules import MovingAverage
+    from tower_train.step.schedules import MovingAverage
 
     info = eval_checkpoint.find_checkpoint(checkpoint, config.train_dir)
-    source = data if data is not None else datasets.load_source(
+    source = data if data is not None else catalog.load_source(
         config.dataset, config.data_dir, config.augment)
     source.check()
     spec = resolve_model(model, config, num_classes, source.num_classes, loss)
@@ -108,13 +110,13 @@ def evaluate_checkpoint(model: object = None, data: object = None, *, checkpoint
             gone, info = info.path, eval_checkpoint.find_checkpoint(checkpoint, config.train_dir)
             logging.info("%s was removed while the model was built: evaluating %s, now the latest",
                          gone, info.path)
-    metrics = evaluation.make_metrics(metrics or [])
-    evaluation.check_metrics_against(metrics, net, source, config.eval_batch_size)
+    metrics = held_out.make_metrics(metrics or [])
+    held_out.check_metrics_against(metrics, net, source, config.eval_batch_size)
     logging.info("%s", plan.message)
     logging.info("%s", describe_weights(info.path, info.has_moving_average, use_ema))
     if average is not None:
-        evaluation.use_moving_average(net, average)
-    return evaluation.evaluate(net, source, config.eval_batch_size, plan.tower_devices, metrics)
+        held_out.use_moving_average(net, average)
+    return held_out.evaluate(net, source, config.eval_batch_size, plan.tower_devices, metrics)
 
 
 def _eval(argv: list[str]) -> int:
@@ -123,10 +125,10 @@ def _eval(argv: list[str]) -> int:
     options = {name: getattr(config, name) for name in tt_flags.TRAINING_FLAGS}
     evaluation = evaluate_checkpoint(checkpoint=EVAL_FLAGS["checkpoint"].value,
                                      use_ema=EVAL_FLAGS["use_ema"].value, **options)
-    if evaluation.precision is None:
-        print(f"precision @ 1 = none: no held-out label has any weight ({evaluation.examples} examples)")
+    if held_out.precision is None:
+        print(f"precision @ 1 = none: no held-out label has any weight ({held_out.examples} examples)")
     else:
-        print(f"{evaluation.describe()} ({evaluation.examples} examples)")
+        print(f"{held_out.describe()} ({held_out.examples} examples)")
     return 0
 
 

@@ -27,9 +27,9 @@ import tensorflow as tf
 from absl import logging
 
 from tower_train.config import TrainConfig, check_export_dir
-from tower_train.data import Source
+from tower_train.data.source import Source
 from tower_train.errors import UsageError
-from tower_train.evaluation import use_moving_average
+from tower_train.training.held_out import use_moving_average
 from tower_train.model_spec import ModelSpec, build_model
 
 

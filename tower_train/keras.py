@@ -43,8 +43,8 @@ import tensorflow as tf
 from absl import logging
 
 from tower_train import api
-from tower_train.array_source import ArraySource
-from tower_train.callbacks import check_callbacks
+from tower_train.data.array_source import ArraySource
+from tower_train.training.keras_callbacks import check_callbacks
 from tower_train.config import TrainConfig
 from tower_train.errors import UsageError
 from tower_train.keras_data import read_dataset, split_data

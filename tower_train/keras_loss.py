@@ -76,15 +76,6 @@ class CompiledLoss:
         return total
 
 
-def pack_outputs(outputs: Any) -> tf.Tensor:
-    """Several outputs (a list, tuple or dict, in `tf.nest`'s order) as one float32 tensor [b, the
-    sum of their sizes]; one output as it is."""
-    if not tf.nest.is_nested(outputs):
-        return outputs
-    return tf.concat([tf.reshape(tf.cast(output, tf.float32), [tf.shape(output)[0], -1])
-                      for output in tf.nest.flatten(outputs)], axis=-1)
-
-
 def _output_names(model: keras.Model, outputs: Any) -> list[str]:
     """The names of the model's outputs, in `tf.nest`'s order of `outputs`."""
     if isinstance(outputs, dict):

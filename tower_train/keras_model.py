@@ -14,7 +14,7 @@ trained weights back at the end (`hand_back_instance`).
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import keras
 import tensorflow as tf
@@ -44,14 +44,20 @@ class KerasModel(TowerModel):
     def call(self, features: tf.Tensor, training: bool = False) -> tf.Tensor:
         outputs = self.network(features, training=training)
         if getattr(self._per_label_loss, "packs_outputs", False):
-            # Several outputs as one tensor, which the loss unpacks (keras_loss.py).
-            from tower_train.keras_loss import pack_outputs
-
-            return pack_outputs(outputs)
+            return pack_outputs(outputs)  # which the loss unpacks (keras_loss.py)
         return outputs
 
     def per_example_loss(self, labels: tf.Tensor, logits: tf.Tensor) -> tf.Tensor:
         return self._per_label_loss(labels, tf.cast(logits, tf.float32))
+
+
+def pack_outputs(outputs: Any) -> tf.Tensor:
+    """Several outputs (a list, tuple or dict, in `tf.nest`'s order) as one float32 tensor [b, the
+    sum of their sizes]; one output as it is."""
+    if not tf.nest.is_nested(outputs):
+        return outputs
+    return tf.concat([tf.reshape(tf.cast(output, tf.float32), [tf.shape(output)[0], -1])
+                      for output in tf.nest.flatten(outputs)], axis=-1)
 
 
 def per_label_loss(loss: object) -> tuple[PerLabelLoss, str]:

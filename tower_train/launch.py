@@ -40,7 +40,8 @@ from typing import BinaryIO, Callable, Sequence
 
 from absl import flags
 
-from tower_train import cli, cluster
+from tower_train import cli
+from tower_train.workers import cluster
 from tower_train import flags as tt_flags
 from tower_train.config import WORKERS_MODE, TrainConfig
 from tower_train.errors import UsageError

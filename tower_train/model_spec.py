@@ -21,9 +21,9 @@ import tensorflow as tf
 from absl import logging
 
 from tower_train.config import MODE_RULES, ONE_PROCESS_MODES, OPTIMIZERS, TrainConfig
-from tower_train.data import Source, describe_nest
+from tower_train.data.source import Source, describe_nest
 from tower_train.errors import UsageError
-from tower_train.eval_checkpoint import model_label
+from tower_train.training.eval_checkpoint import model_label
 from tower_train.keras_model import (KerasModel, PerLabelLoss, check_network, clone_instance,
                                      hand_back_instance, per_label_loss)
 from tower_train.models import TowerModel, model_class, registered_loss

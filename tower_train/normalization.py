@@ -40,11 +40,11 @@ def compare_normalizations(config: TrainConfig, updates: int) -> list[tuple[floa
     import keras
     import tensorflow as tf
 
-    from tower_train import datasets
+    from tower_train.data import catalog
     from tower_train.model_spec import build_model, resolve_model
-    from tower_train.towers import combine_gradients, labels_per_shard, split_batch, tower_loss_and_gradients
+    from tower_train.step.towers import combine_gradients, labels_per_shard, split_batch, tower_loss_and_gradients
 
-    source = datasets.load_source(config.dataset, config.data_dir, config.augment)
+    source = catalog.load_source(config.dataset, config.data_dir, config.augment)
     source.check()
     keras.utils.set_random_seed(config.seed)
     model = build_model(resolve_model(None, config, None, source.num_classes), source, config)

@@ -12,9 +12,9 @@ from tower_train.benchmark.names import MODE_KINDS, BenchConfig
 from tower_train.config import HAND_PLACED_MODE, TrainConfig
 
 if TYPE_CHECKING:
-    from tower_train.data import Source
+    from tower_train.data.source import Source
     from tower_train.devices import DevicePlan
-    from tower_train.run import TrainState
+    from tower_train.training.run import TrainState
     from tower_train.traffic import Traffic
 
 
@@ -44,11 +44,11 @@ def build_workload(bench: BenchConfig, config: TrainConfig, plan: DevicePlan,
     tower 0 waits `slow_tower_ms` per example of its shard (`slow_first_tower`)."""
     import tensorflow as tf
 
-    from tower_train import datasets
+    from tower_train.data import catalog
     from tower_train.devices import HOST_DEVICE, parameter_device
     from tower_train.model_spec import resolve_model
-    from tower_train.modes import build_mode
-    from tower_train.run import Run, TrainState
+    from tower_train.step.modes import build_mode
+    from tower_train.training.run import Run, TrainState
     from tower_train.traffic import compute_devices
 
     config = dataclasses.replace(config, batch_size=bench.batch_size, accum=bench.accum,
@@ -64,7 +64,7 @@ def build_workload(bench: BenchConfig, config: TrainConfig, plan: DevicePlan,
         config = dataclasses.replace(config, mode=bench.kind, all_reduce="auto", tower_weights="per_update",
                                      transfer_precision="fp32")
     micro = bench.batch_size * len(plan.tower_devices)
-    source = datasets.load_source(config.dataset, config.data_dir, config.augment)
+    source = catalog.load_source(config.dataset, config.data_dir, config.augment)
     spec = resolve_model(None, config, None, source.num_classes)
     if bench.input == "tfrecord":
         source = _records_of(source)
@@ -157,7 +157,7 @@ def _records_of(source):
     import numpy as np
     import tensorflow as tf
 
-    from tower_train.tfrecord_source import TFRecordSource, write_examples
+    from tower_train.data.tfrecord import TFRecordSource, write_examples
 
     directory = tempfile.mkdtemp(prefix="tower_train_benchmark_records.")
     atexit.register(shutil.rmtree, directory, ignore_errors=True)
@@ -187,7 +187,7 @@ def _pipeline_of(source, seed: int):
     preprocessing."""
     import tensorflow as tf
 
-    from tower_train.dataset_source import DatasetSource
+    from tower_train.data.tf_dataset import DatasetSource
 
     def train() -> tf.data.Dataset:
         examples = tf.data.Dataset.from_tensor_slices((source.train_features, source.train_labels))
@@ -241,7 +241,7 @@ def _plain(config: TrainConfig, device: str, dataset, batch_spec: tuple, state: 
     as the towers'; and its traced function."""
     import tensorflow as tf
 
-    from tower_train.towers import prepared, regularization_gradients, tower_loss_and_gradients
+    from tower_train.step.towers import prepared, regularization_gradients, tower_loss_and_gradients
 
     rule = state.update_rule(config.clip_norm)
     whole_batches = iter(dataset.batch(config.accum).map(
@@ -287,8 +287,8 @@ def _keras_fit(config: TrainConfig, device: str, dataset, batch_spec: tuple, sta
     import keras
     import tensorflow as tf
 
-    from tower_train.run import make_optimizer
-    from tower_train.towers import prepared
+    from tower_train.training.run import make_optimizer
+    from tower_train.step.towers import prepared
 
     net = state.model
 

@@ -1,0 +1,236 @@
+"""The training modes, one `Mode` subclass per --mode: which strategy (if any) holds the
+variables, where they live (a `devices.Placement`) and which inner step runs the updates.
+
+- `TowerMode` (`tower`): the classic pattern, no strategy: variables on the parameter
+  device, towers placed by hand (`tower_mode.TowerStep`).
+- `MirroredMode` (`mirrored`): `tf.distribute.MirroredStrategy` over the same tower devices.
+- `MultiWorkerMode` (`multi_worker`): `tf.distribute.MultiWorkerMirroredStrategy`, from
+  TF_CONFIG or Slurm (`--cluster`).
+- `CentralStorageMode` (`central_storage`): `tf.distribute.experimental.CentralStorageStrategy`,
+  TF's own variables-on-one-device strategy, over the same towers and parameter device.
+
+All four apply the same update: the gradient of the weighted mean loss over the G examples
+(`strategy_mode` for the three strategies). What each is and allows, its default reduction
+included, is `config.MODE_RULES`, from which each class takes its `rules` by name.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, ClassVar, ContextManager
+
+from tower_train.workers.cluster import SINGLE_PROCESS, WorkerInfo, server_start, strategy_resolver
+from tower_train.config import DTYPES, MODE_RULES, ModeRules, TrainConfig
+from tower_train.devices import HOST_DEVICE, DevicePlan, Placement, StrategyPlacement, device_span, plan_devices
+from tower_train.errors import UsageError
+
+if TYPE_CHECKING:
+    from tower_train.step.inner_step import InnerStep
+
+
+def fit_plan_to_mode(mode: str, plan: DevicePlan) -> DevicePlan:
+    """The device plan a mode can run: MultiWorkerMirroredStrategy runs one replica on a
+    worker's /cpu:0 when the worker has no GPU, so a CPU split is of no use to it; and the
+    mirrored modes have no parameter device, so the plan's line does not name one."""
+    if MODE_RULES[mode].mirrors_variables:
+        plan = dataclasses.replace(plan, variables="mirrored")
+    if not MODE_RULES[mode].workers or plan.split != "cpu":
+        return plan
+    if len(plan.tower_devices) > 1:
+        raise UsageError(f"--num_gpus={len(plan.tower_devices)}: with --mode=multi_worker and no GPU "
+                         "each worker runs one replica on its CPU; pass --num_gpus=1")
+    return dataclasses.replace(
+        plan_devices(0, "cpu", num_physical_gpus=0),
+        setup="no GPU found for --mode=multi_worker: one replica on this worker's /cpu:0", variables=None)
+
+
+def resolve_all_reduce(mode: str, choice: str, plan: DevicePlan) -> str:
+    """The concrete cross-device reduction for `--all_reduce=choice` (already valid for `mode`).
+
+    NCCL needs real, whole GPUs; on logical GPUs split from one, or on CPUs, each mode's
+    `ModeRules.auto_all_reduce` picks its reduction without it.
+    """
+    whole_gpus = plan.split == "none" and plan.tower_devices[0].startswith("/gpu")
+    if choice == "nccl" and not whole_gpus:
+        raise UsageError("--all_reduce=nccl: needs one physical GPU per tower; "
+                         f"this run's towers are {plan.tower_devices[0]}.. ({plan.split} split)")
+    with_whole_gpus, otherwise = MODE_RULES[mode].auto_all_reduce
+    return (with_whole_gpus if whole_gpus else otherwise) if choice == "auto" else choice
+
+
+def check_jit_compile(mode: str, plan: DevicePlan) -> None:
+    """XLA compiles a tower for its own device and cannot read variables held on another one
+    (tensorflow.org/xla/known_issues). Tower mode hands its compiled towers the values instead
+    (`towers.compiled_tower_function`); CentralStorageStrategy's replicas read its variables."""
+    rules = MODE_RULES[mode]
+    if not (rules.mirrors_variables or rules.places_towers) and set(plan.tower_devices) != {plan.param_device}:
+        raise UsageError(f"--jit_compile: XLA cannot read the variables on {plan.param_device} from "
+                         f"towers on {device_span(plan.tower_devices)} (--mode={mode}); use --mode=tower "
+                         "or --mode=mirrored")
+
+
+class Mode:
+    """How a run places its variables and runs its updates: one subclass per --mode, which owns
+    its strategy (none in tower mode) and its inner step. What each mode is and allows is its
+    `rules`, `config.MODE_RULES[name]`, which the options' checks read before TensorFlow loads."""
+
+    rules: ClassVar[ModeRules]
+
+    def __init__(self, *, config: TrainConfig, plan: DevicePlan, worker: WorkerInfo, all_reduce: str):
+        """Creates the mode's strategy; call it before any other TF op runs. `all_reduce`: the
+        reduction `resolve_all_reduce` gave for the config on `plan`."""
+        if config.jit_compile:
+            check_jit_compile(self.rules.name, plan)
+        self.config, self.plan, self.worker = config, plan, worker
+        self.all_reduce = all_reduce
+        self.placement = self._placement()
+        self._vote = None  # the compiled any_worker
+
+    def _placement(self) -> Placement:
+        raise NotImplementedError
+
+    def inner_step(self, state, prepare=None) -> InnerStep:
+        """The `InnerStep` of `state` whose `run_update(batches)` applies one update of config.accum
+        micro-steps: clipped to --clip_norm, each tower's share as --tower_split says, compiled
+        with XLA under --jit_compile; a `data.RawInput` batch preprocessed by `prepare` (the
+        source's `model_input`) on each tower's device."""
+        raise NotImplementedError
+
+    @property
+    def strategy(self):  # tf.distribute.Strategy | None
+        return None
+
+    def variable_scope(self) -> ContextManager:
+        """Where the model, optimizer and counters are created."""
+        return self.placement.scope()
+
+    def any_worker(self, flag: bool) -> bool:
+        """True on every worker if `flag` is True on any: a scalar all-reduce, only in multi_worker."""
+        if self.worker.count == 1:
+            return flag
+        import tensorflow as tf
+
+        if self._vote is None:
+            def vote(flag_tensor):
+                votes = self.strategy.run(lambda f: f, args=(flag_tensor,))
+                return self.strategy.reduce(tf.distribute.ReduceOp.SUM, votes, axis=None)
+
+            self._vote = tf.function(vote)
+        return int(self._vote(tf.constant(int(flag)))) > 0
+
+
+class TowerMode(Mode):
+    """The classic pattern: no strategy, the variables on the parameter device, the towers
+    placed by hand (`tower_mode.TowerStep`), reduced on the parameter device."""
+
+    rules = MODE_RULES["tower"]
+
+    def _placement(self) -> Placement:
+        if self.config.ps_device == "spread":
+            from tower_train.step.spread import SpreadPlacement
+
+            return SpreadPlacement(self.plan.param_device, self.plan.tower_devices)
+        from tower_train.step.tower_mode import OneDevice
+
+        return OneDevice(self.plan.param_device)
+
+    def inner_step(self, state, prepare=None) -> InnerStep:
+        """Also: tower mode's weights fetched as --tower_weights says and its gradient sums sent
+        in --transfer_precision."""
+        from tower_train.step.tower_mode import TowerStep
+
+        config = self.config
+        return TowerStep(rule=state.update_rule(config.clip_norm), tower_devices=self.plan.tower_devices,
+                         placement=self.placement, accum=config.accum, shard_sizes=config.tower_shard_sizes,
+                         jit_compile=config.jit_compile, tower_weights=config.tower_weights,
+                         transfer_dtype=DTYPES[config.transfer_precision], prepare=prepare)
+
+
+class _StrategyMode(Mode):
+    """A tf.distribute strategy holds the variables and runs `strategy_mode.StrategyStep`."""
+
+    def _placement(self) -> Placement:
+        return StrategyPlacement(self._make_strategy(),
+                                 None if self.rules.mirrors_variables else self.plan.param_device)
+
+    def _make_strategy(self):
+        raise NotImplementedError
+
+    @property
+    def strategy(self):
+        return self.placement.strategy
+
+    def inner_step(self, state, prepare=None) -> InnerStep:
+        from tower_train.step.strategy_mode import StrategyStep
+
+        config = self.config
+        return StrategyStep(strategy=self.strategy, rule=state.update_rule(config.clip_norm),
+                            accum=config.accum,
+                            first_replica=self.worker.index * len(self.plan.tower_devices),
+                            jit_compile=config.jit_compile, prepare=prepare)
+
+
+class MirroredMode(_StrategyMode):
+    """`tf.distribute.MirroredStrategy` over the same tower devices."""
+
+    rules = MODE_RULES["mirrored"]
+
+    def _make_strategy(self):
+        import tensorflow as tf
+
+        cross_device_ops = {
+            "nccl": lambda: tf.distribute.NcclAllReduce(),
+            "hierarchical_copy": lambda: tf.distribute.HierarchicalCopyAllReduce(),
+            "one_device": lambda: tf.distribute.ReductionToOneDevice(reduce_to_device=HOST_DEVICE),
+        }[self.all_reduce]()
+        return tf.distribute.MirroredStrategy(list(self.plan.tower_devices), cross_device_ops=cross_device_ops)
+
+
+class CentralStorageMode(_StrategyMode):
+    """`tf.distribute.experimental.CentralStorageStrategy`, TF's own variables-on-one-device
+    strategy, over the same towers and parameter device."""
+
+    rules = MODE_RULES["central_storage"]
+
+    def _make_strategy(self):
+        import tensorflow as tf
+
+        return tf.distribute.experimental.CentralStorageStrategy(
+            list(self.plan.tower_devices), parameter_device=self.plan.param_device)
+
+
+class MultiWorkerMode(_StrategyMode):
+    """`tf.distribute.MultiWorkerMirroredStrategy`, one process per worker, from TF_CONFIG or
+    Slurm (`--cluster`)."""
+
+    rules = MODE_RULES["multi_worker"]
+
+    def _make_strategy(self):
+        import tensorflow as tf
+
+        implementation = (tf.distribute.experimental.CommunicationImplementation.NCCL
+                          if self.all_reduce == "nccl"
+                          else tf.distribute.experimental.CommunicationImplementation.RING)
+        gpus = len(self.plan.tower_devices) if self.plan.tower_devices[0].startswith("/gpu") else 0
+        with server_start(self.worker):
+            return tf.distribute.MultiWorkerMirroredStrategy(
+                cluster_resolver=strategy_resolver(self.worker, gpus),
+                communication_options=tf.distribute.experimental.CommunicationOptions(
+                    implementation=implementation, timeout_seconds=self.config.collective_timeout))
+
+
+# Each --mode's class, by the name its rules give.
+MODES: dict[str, type[Mode]] = {mode.rules.name: mode for mode in (TowerMode, MirroredMode, CentralStorageMode,
+                                                                   MultiWorkerMode)}
+
+
+def build_mode(config: TrainConfig, plan: DevicePlan, worker: WorkerInfo = SINGLE_PROCESS,
+               all_reduce: str | None = None) -> Mode:
+    """The mode `config.mode` names, its strategy created; call it before any other TF op runs.
+
+    `all_reduce`: what `resolve_all_reduce` gave for `config` on `plan` (`api.prepare_devices`
+    resolves it while it checks the devices); None resolves it here, for a caller that builds
+    a mode other than the one it checked (compare.py, the benchmark).
+    """
+    if all_reduce is None:
+        all_reduce = resolve_all_reduce(config.mode, config.all_reduce, plan)
+    return MODES[config.mode](config=config, plan=plan, worker=worker, all_reduce=all_reduce)

@@ -1,0 +1,424 @@
+"""Tower mode's inner step: towers on their devices, variables on the parameter device.
+
+An update of K micro-steps is K - 1 calls of `accumulate` and one of `update`,
+each a separate tf.function, so that no `tf.cond` decides whether to apply:
+
+- `accumulate` runs every tower on its shard and adds its gradient, its
+  weighted loss sum and its weight sum to accumulators on the tower's own
+  device. No gradient crosses devices (the TF analogue of PyTorch DDP's
+  `no_sync`).
+- `update` runs the last micro-step, then moves the N accumulated sums to the
+  parameter device once, combines them into the gradient of the update's
+  weighted mean loss (`towers.combine_gradients`), adds the regularization's
+  gradient, applies it, and clears the accumulators. Cross-device gradient
+  traffic is therefore paid once per update instead of once per micro-step.
+
+The weights cannot change inside an update, so with `tower_weights="per_update"`
+and K > 1 each tower off the parameter device keeps a copy of the trainable
+weights on its own device, refreshed once at the start of every update
+(`refresh_weights`), and its K micro-steps read that: N x P bytes of weights
+per update instead of K x N x P. BatchNorm's moving statistics are not copied:
+they stay on the parameter device and move tower by tower in program order,
+as with direct reads. At K = 1, or with "per_micro_step", the towers read the
+parameter device directly.
+
+What crosses devices can be narrower than float32:
+
+- Under `--precision=bf16|fp16` the weights a tower reads in the compute dtype
+  (`towers.read_in_compute_dtype`: those of the layers that compute in it) are
+  cast to it on the parameter device and travel, or are kept as copies, in it:
+  the tower would have rounded them to the same values, so the update is
+  bit-identical and their bytes halve. Then, at K = 1 or with
+  "per_micro_step", every tower off the parameter device reads the weights the
+  parameter device sends it instead of reading the variables itself.
+- With `transfer_dtype` bfloat16 or float16 (`--transfer_precision`), each
+  tower off the parameter device casts its gradient sums (its gradients at
+  K = 1) to it before they leave, and the parameter device casts them back to
+  float32 before combining them: half the gradient bytes, each sum rounded
+  once. The loss and weight sums (two scalars) stay float32.
+
+A tower on the parameter device casts nothing: nothing of it crosses devices.
+
+Where the weights come from and where the sums go is the placement's `TowerLayout`: with
+`OneDevice` (`--ps_device=cpu|gpu`) the `ParameterDeviceLayout` above; with
+`--ps_device=spread` the `spread.SpreadLayout`, which keeps the weights in slices on the tower
+devices and reduces on their owners. `TowerStep` runs the towers, their sums, seeds and the
+settling of the decision, the same for every layout.
+
+A model that adds losses of the batch through Keras (`add_loss`, activity
+regularizers) has a second gradient sum per tower, that of those losses,
+which the update folds into the first on the tower's device before it
+travels (`towers` has the math): more memory and a second backward pass, no
+more gradient bytes (each tower waits for the update's total weight W).
+
+A model with randomness (Dropout) gets, in each tower's pass, the seeds
+`towers.pass_seeds` makes of (its generators' seeds, the step counter, the
+micro-step, the tower), computed on the parameter device; the micro-step is
+counted there and set back to 0 at the end of every update.
+
+An update whose total weight is 0, or whose loss or gradient holds a
+non-finite value, is not applied at all: no weight, optimizer slot, counter or
+BatchNorm statistic moves. `UpdateRule.decide` decides, and tower mode, which
+has no replica context, acts on its decision in a `tf.cond` on the parameter
+device.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, ContextManager, Iterator, Mapping, Protocol, Sequence
+
+import tensorflow as tf
+
+from tower_train.data.source import Preprocess
+from tower_train.devices import Placement, canonical_device
+from tower_train.step.inner_step import Batch, BatchSpec, Decision, UpdateResult
+from tower_train.step.towers import (TowerResult, combine_gradients, compiled_tower_function, labels_per_shard,
+                                pass_seeds, read_in_compute_dtype, regularization_gradients, run_on_towers,
+                                seed_generator_states, split_batch, tower_function)
+from tower_train.step.update_rule import TrainingStatistics, UpdateRule, tensors_finite
+from tower_train.step.update_sums import UpdateSums
+
+
+@dataclasses.dataclass(frozen=True)
+class TowerSetup:
+    """What a `TowerLayout` is built for: the rule, the towers and the options of the step."""
+
+    rule: UpdateRule
+    tower_devices: tuple[str, ...]
+    accum: int
+    tower_weights: str  # `TrainConfig.tower_weights`
+    jit_compile: bool
+    transfer_dtype: tf.DType  # the dtype the towers' gradient sums cross devices in
+
+
+@dataclasses.dataclass(frozen=True)
+class TowerSums:
+    """An update's sums as the towers leave them: what a layout reduces."""
+
+    gradients: list[list[tf.Tensor]]  # per tower, on its device: its gradient sums, one per weight
+    counts: Sequence[float]  # per tower: its labels, c_i
+    total_weight: tf.Tensor  # W, on the layout's host
+    safe_weight: tf.Tensor  # W, or 1 where W = 0 (then the update is refused)
+    mean_loss: Callable[[tf.Tensor], tf.Tensor]  # the update's mean loss with this regularization, here
+
+
+class TowerLayout(Protocol):
+    """Where tower mode's weights come from and where its sums go, built by the placement.
+
+    Attributes:
+      host: the device of the counters and BN statistics, which decides the update.
+      copies: per tower, its copy of the trainable weights, or None to be sent them each pass.
+    """
+
+    host: str
+    copies: list[list[tf.Variable] | None]
+
+    def tower_weights(self) -> list:
+        """Per tower, what its pass reads: its copy, the weights sent it, or None (the variables)."""
+
+    def refresh_weights(self) -> None:
+        """Fills the towers' copies with the current weights (once per update)."""
+
+    def reduce(self, sums: TowerSums) -> tuple[tf.Tensor, tf.Tensor, Callable[[], object]]:
+        """(the mean loss, the `Decision`, what applies the update on the host if it is applied)."""
+
+    def before_update(self) -> None:
+        """Takes in what was written into the TrainState since the last update."""
+
+    def after_update(self, applied: bool) -> None:
+        """Notes an update done, applied or not."""
+
+    def sync_state(self) -> None:
+        """`InnerStep.sync_state`."""
+
+    def state_written(self) -> None:
+        """`InnerStep.state_written`."""
+
+    def held_finite(self) -> bool:
+        """`InnerStep.held_finite`."""
+
+    def variable_roles(self) -> Mapping[str, list]:
+        """"weights": the layout's own copies of weights; "held": state that never leaves its device."""
+
+
+class TowerPlacement(Placement, Protocol):
+    """A placement tower mode runs: it builds its layout."""
+
+    def tower_layout(self, setup: TowerSetup) -> TowerLayout:
+        """The layout of a `TowerStep` over `setup`, its variables placed by this placement."""
+
+
+def weight_copies(model, device: str, tower: int, narrow_weights: Sequence[bool]) -> list[tf.Variable]:
+    """Tower `tower`'s copy of the trainable weights on `device`, in the compute dtype where it
+    reads them in it. Not state: a TowerStep is not checkpointed, and each update refreshes them."""
+    with tf.device(device):
+        return [tf.Variable(tf.zeros(v.shape, model.compute_dtype if narrow else v.dtype),
+                            trainable=False, name=f"tower_{tower}_weights_{j}")
+                for j, (v, narrow) in enumerate(zip(model.trainable_variables, narrow_weights, strict=True))]
+
+
+@dataclasses.dataclass(frozen=True)
+class OneDevice:
+    """Every variable on one device: tower mode's parameter device (`ParameterDeviceLayout`)."""
+
+    device: str
+
+    def scope(self) -> ContextManager:
+        return tf.device(self.device)
+
+    def device_of(self, variable) -> str:
+        return self.device
+
+    def describe(self, trainable_variables: Sequence) -> str:
+        return self.device
+
+    def tower_layout(self, setup: TowerSetup) -> TowerLayout:
+        return ParameterDeviceLayout(setup=setup, device=self.device)
+
+
+class ParameterDeviceLayout:
+    """Every variable on one device (`--ps_device=cpu|gpu`): the weights leave it once per update
+    for the towers that keep a copy (or each pass for the others), and every tower's gradient
+    sums come to it, which combines, decides and applies."""
+
+    def __init__(self, *, setup: TowerSetup, device: str):
+        model = setup.rule.model
+        self.host = device
+        self._setup = setup
+        # Per trainable variable: whether its value travels to the towers in the compute dtype.
+        self._narrow_weights = read_in_compute_dtype(model)
+        # Per tower: whether it is on another device than the variables, so that what it reads
+        # and returns crosses devices.
+        self._remote = [canonical_device(d) != canonical_device(device) for d in setup.tower_devices]
+        copied = setup.tower_weights == "per_update" and setup.accum > 1
+        self.copies = [weight_copies(model, tower_device, i, self._narrow_weights) if copied and remote else None
+                       for i, (tower_device, remote) in enumerate(zip(setup.tower_devices, self._remote, strict=True))]
+
+    def tower_weights(self) -> list:
+        weights = list(self.copies)
+        # The towers without a copy that read what the parameter device sends: those off it when
+        # weights travel narrowed, and every one under XLA, whose compiled pass reads no variable.
+        reads = [copies is None and (remote or self._setup.jit_compile)
+                 for copies, remote in zip(weights, self._remote, strict=True)]
+        if (any(self._narrow_weights) or self._setup.jit_compile) and any(reads):
+            sent = self._sent_weights()  # read once per micro-step, then sent to each tower
+            weights = [sent if read else copies for copies, read in zip(weights, reads, strict=True)]
+        return weights
+
+    def refresh_weights(self) -> None:
+        """Copies the current trainable weights to every tower that keeps a copy: the only
+        weight traffic of the update."""
+        sent = self._sent_weights()
+        for device, copies in zip(self._setup.tower_devices, self.copies, strict=True):
+            if copies is not None:
+                with tf.device(device):
+                    for copy, value in zip(copies, sent, strict=True):
+                        copy.assign(value)
+
+    def _sent_weights(self) -> list:
+        """The trainable weights as they travel to the towers: the variables themselves, or, where
+        a tower reads one in the compute dtype, its value cast to that on the device holding it."""
+        model = self._setup.rule.model
+        sent = []
+        with tf.device(self.host):
+            for v, narrow in zip(model.trainable_variables, self._narrow_weights, strict=True):
+                sent.append(tf.cast(v, model.compute_dtype) if narrow else v)
+        return sent
+
+    def reduce(self, sums: TowerSums) -> tuple[tf.Tensor, tf.Tensor, Callable[[], object]]:
+        """Every tower's gradient sums to the parameter device, which combines and decides."""
+        setup, rule = self._setup, self._setup.rule
+        tower_grads = list(sums.gradients)
+        if setup.transfer_dtype != tf.float32:
+            for i, (device, remote) in enumerate(zip(setup.tower_devices, self._remote, strict=True)):
+                if remote:
+                    with tf.device(device):
+                        tower_grads[i] = [tf.cast(g, setup.transfer_dtype) for g in tower_grads[i]]
+        with tf.device(self.host):
+            variables = rule.model.trainable_variables
+            tower_grads = [[tf.cast(g, v.dtype) for g, v in zip(grads, variables, strict=True)]
+                           for grads in tower_grads]  # back from transfer_dtype; else nothing
+            regularization, regularization_grads = regularization_gradients(rule.model)
+            mean_loss = sums.mean_loss(regularization)
+            mean_grads = combine_gradients(tower_grads, sums.counts, sums.safe_weight)
+            if rule.loss_scale is not None:
+                mean_grads = rule.loss_scale.unscale(mean_grads)
+            mean_grads = [g + r for g, r in zip(mean_grads, regularization_grads, strict=True)]
+            decision = rule.decide(sums.total_weight, tensors_finite([mean_loss, *mean_grads]), mean_loss)
+        return mean_loss, decision, lambda: rule.apply(rule.clip(mean_grads))
+
+    def before_update(self) -> None:
+        pass  # the towers read the TrainState's variables themselves
+
+    def after_update(self, applied: bool) -> None:
+        pass
+
+    def sync_state(self) -> None:
+        pass  # the TrainState's variables are the weights
+
+    def state_written(self) -> None:
+        pass
+
+    def held_finite(self) -> bool:
+        return True
+
+    def variable_roles(self) -> Mapping[str, list]:
+        return {"weights": [c for tower in self.copies if tower is not None for c in tower], "held": []}
+
+
+class TowerStep:
+    """The inner step of tower mode for one model, optimizer and device layout."""
+
+    def __init__(self, *, rule: UpdateRule, tower_devices: Sequence[str], placement: TowerPlacement, accum: int,
+                 shard_sizes: Sequence[int], jit_compile: bool = False, tower_weights: str = "per_update",
+                 transfer_dtype: str = "float32", prepare: Preprocess | None = None):
+        """`placement`: where the rule's variables live; it builds the `TowerLayout` (created
+        after any restore, `Run.inner`, so a layout's own state starts from the restored one).
+        `tower_weights`: "per_update" or "per_micro_step" (`TrainConfig.tower_weights`).
+        `transfer_dtype`: the dtype the towers' gradient sums cross devices in (float32, bfloat16
+        or float16). `prepare`: the source's `model_input`, which each tower applies to its shard
+        of a `data.RawInput` batch (`towers.prepared`)."""
+        model = rule.model
+        self._tower = (compiled_tower_function(model, rule.loss_scale, prepare) if jit_compile
+                       else tower_function(model, rule.loss_scale, prepare=prepare))
+        self._rule = rule
+        self._devices = tuple(tower_devices)
+        self._shard_sizes = tuple(shard_sizes)  # examples of each tower per micro-step
+        self._accum = accum
+        self._examples_per_update = sum(shard_sizes) * accum  # G
+        self.layout = placement.tower_layout(TowerSetup(rule, self._devices, accum, tower_weights, jit_compile,
+                                                        tf.as_dtype(transfer_dtype)))
+        self._generator_states = seed_generator_states(model)  # None: a model without randomness
+        with tf.device(self.layout.host):
+            self._statistics = TrainingStatistics(model)
+            if self._generator_states is not None:
+                self._micro_step = tf.Variable(0, dtype=tf.int64, trainable=False, name="micro_step")
+        # Per tower, on its device, at K > 1: its sums of the update so far.
+        self._sums: list[UpdateSums] = []
+        if accum > 1:
+            for i, device in enumerate(self._devices):
+                with tf.device(device):
+                    self._sums.append(UpdateSums(model, prefix=f"tower_{i}_"))
+        self.refresh_weights = tf.function(self._refresh_weights)
+        self.accumulate = tf.function(self._accumulate)
+        self.update = tf.function(self._update)
+
+    @property
+    def copies_weights(self) -> bool:
+        """Whether some tower reads its own copy of the weights (refreshed once per update)."""
+        return any(copies is not None for copies in self.layout.copies)
+
+    def run_update(self, batches: Iterator[Batch]) -> UpdateResult:
+        """Takes K global micro-batches from `batches` and applies one update."""
+        self.layout.before_update()
+        if self.copies_weights:
+            self.refresh_weights()
+        for _ in range(self._accum - 1):
+            self.accumulate(*next(batches))
+        result = UpdateResult.of(*self.update(*next(batches)))
+        self.layout.after_update(result.applied)
+        return result
+
+    def sync_state(self) -> None:
+        self.layout.sync_state()
+
+    def state_written(self) -> None:
+        self.layout.state_written()
+
+    def held_finite(self) -> bool:
+        return self.layout.held_finite()
+
+    def traced_update(self, spec: BatchSpec) -> list[tuple[object, int]]:
+        runs = [(self.refresh_weights.get_concrete_function(), 1)] if self.copies_weights else []
+        if self._accum > 1:
+            runs.append((self.accumulate.get_concrete_function(*spec), self._accum - 1))
+        return runs + [(self.update.get_concrete_function(*spec), 1)]
+
+    def variable_roles(self) -> Mapping[str, Sequence]:
+        model = self._rule.model
+        layout = self.layout.variable_roles()
+        # Every tower's gradient sums, then its loss sums, then its weight sums (and batch losses').
+        sums = ([v for tower in self._sums for v in tower.gradient_variables]
+                + [v for scalars in zip(*(tower.scalar_variables for tower in self._sums)) for v in scalars])
+        return {"weights": model.trainable_variables + layout["weights"], "gradients": sums,
+                "statistics": model.non_trainable_weights, "held": layout["held"]}
+
+    def _refresh_weights(self) -> None:
+        self.layout.refresh_weights()
+
+    def _towers(self, batch: Batch) -> list:
+        shards = [(*shard, weights) for shard, weights in
+                  zip(split_batch(batch, self._shard_sizes), self.layout.tower_weights(), strict=True)]
+        if self._generator_states is not None:
+            with tf.device(self.layout.host):
+                update, micro_step = self._rule.step.read_value(), self._micro_step.read_value()
+                shards = [(*shard, pass_seeds(self._generator_states, update, micro_step, i))
+                          for i, shard in enumerate(shards)]
+                self._micro_step.assign_add(1)
+        return run_on_towers(self._tower, self._devices, shards)
+
+    def _accumulate(self, features: tf.Tensor, labels: tf.Tensor, weights: tf.Tensor) -> None:
+        """A micro-step that does not update: a global micro-batch [N*b, ...] -> nothing."""
+        for device, sums, result in zip(self._devices, self._sums, self._towers((features, labels, weights)),
+                                        strict=True):
+            with tf.device(device):
+                sums.add(result)
+
+    def _update(self, features: tf.Tensor, labels: tf.Tensor,
+                weights: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
+        """The last micro-step of an update; returns (the update's weighted mean loss, its total
+        weight, its `Decision`)."""
+        results = []
+        for i, (device, result) in enumerate(zip(self._devices, self._towers((features, labels, weights)),
+                                                 strict=True)):
+            with tf.device(device):  # the update's earlier micro-steps too (none at K = 1)
+                results.append(self._sums[i].plus(result) if self._sums else result)
+        counts = labels_per_shard(weights.shape, self._shard_sizes)
+        with tf.device(self.layout.host):
+            total_weight = tf.add_n([result.weight_sum for result in results])
+            safe_weight = tf.where(total_weight > 0, total_weight, 1.0)  # W = 0 is refused below
+        tower_grads = []
+        for device, result, count, size in zip(self._devices, results, counts, self._shard_sizes, strict=True):
+            with tf.device(device):
+                grads = result.gradients
+                if result.batch_gradients is not None:
+                    # combine_gradients multiplies tower i's sum by c_i / W; the batch losses' must
+                    # come out multiplied by b_i / G.
+                    factor = safe_weight * (size / (count * self._examples_per_update))
+                    grads = [g + b * factor for g, b in zip(grads, result.batch_gradients, strict=True)]
+            tower_grads.append(grads)
+        mean_loss, decision, apply = self.layout.reduce(TowerSums(
+            tower_grads, counts, total_weight, safe_weight,
+            lambda regularization: self._mean_loss(results, total_weight, regularization)))
+        with tf.device(self.layout.host):
+            self._settle(decision, apply)
+        for device, sums in zip(self._devices, self._sums):  # none at K = 1
+            with tf.device(device):
+                sums.clear()
+        if self._generator_states is not None:
+            with tf.device(self.layout.host):
+                self._micro_step.assign(0)
+        return mean_loss, total_weight, decision
+
+    def _mean_loss(self, results: Sequence[TowerResult], total_weight: tf.Tensor,
+                   regularization: tf.Tensor) -> tf.Tensor:
+        """The update's weighted mean loss plus the regularization, on the current device."""
+        mean_loss = (tf.math.divide_no_nan(tf.add_n([result.loss_sum for result in results]), total_weight)
+                     + regularization)
+        if self._rule.model.adds_batch_losses:  # their mean over the update's G examples
+            mean_loss += tf.add_n([result.batch_loss * (size / self._examples_per_update)
+                                   for result, size in zip(results, self._shard_sizes, strict=True)])
+        return mean_loss
+
+    def _settle(self, decision: tf.Tensor, apply: Callable[[], object]) -> None:
+        """On the current device (the layout's host): `apply()` and keep
+        the BN statistics if the update is applied, else put them back and refuse it."""
+        def applied() -> None:
+            apply()
+            self._statistics.keep()
+
+        def refused() -> None:
+            self._statistics.restore()
+            self._rule.refuse(decision)
+
+        tf.cond(tf.equal(decision, int(Decision.APPLIED)), applied, refused)
