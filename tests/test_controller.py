@@ -494,7 +494,7 @@ def test_a_peers_stop_vote_stops_this_worker_saved_at_the_same_boundary(tmp_path
 
 
 def test_a_long_update_logs_how_far_it_is(tmp_path, monkeypatch):
-    monkeypatch.setattr(trainer, "LONG_UPDATE_NOTE", 0.0)  # every micro-step is "late"
+    monkeypatch.setattr(controller, "LONG_UPDATE_NOTE", 0.0)  # every micro-step is "late"
     run = Run(tmp_path, [applied(2.0), applied(1.0)], max_steps=2, accum=2)
 
     run.controller.run()

@@ -24,7 +24,7 @@ from tower_train.data import image_sets
 from tower_train.training.run_record import TrainDirLock
 from tower_train.errors import UsageError
 from tower_train.training.held_out import (check_metrics, evaluate, make_metrics, shard_bounds,
-                                   shard_pass, use_moving_average)
+                                           shard_pass, use_moving_average)
 from tower_train.step.schedules import MovingAverage
 from test_cli_errors import ROOT, run_cli
 

@@ -120,7 +120,7 @@ def test_a_busy_port_is_one_line_naming_it_before_the_workers_start_or_from_one(
         # one line, and the launcher ends the other at once, within the 60 s, not after
         # the default --collective_timeout (120 s) + 10 s.
         launcher = subprocess.Popen(
-            [sys.executable, "-c", "import sys; from tower_train import cluster, launch; "
+            [sys.executable, "-c", "import sys; from tower_train import launch; from tower_train.workers import cluster; "
              "cluster.why_not_listening = lambda port: None; sys.exit(launch.main())",
              "--workers=2", f"--port={port}", "--", "--num_gpus=1", f"--train_dir={tmp_path}"],
             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,

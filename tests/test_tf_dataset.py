@@ -156,7 +156,7 @@ def labelled(labels, *rest):
 
 
 _, LABELS = arrays()
-TRAIN = "DatasetSource(train=test_dataset_source."
+TRAIN = "DatasetSource(train=test_tf_dataset."
 LABELLED = f"{TRAIN}labelled.<locals>.<lambda>)"
 BAD = [
     (dict(train=lambda: tf.data.Dataset.from_tensor_slices({"x": arrays()[0], "y": LABELS})),

@@ -15,7 +15,8 @@ import tensorflow as tf
 
 from tower_train.data.source import DataError
 from tower_train.errors import TrainingError
-from tower_train.data.tfrecord import TFRecordSource, write_examples
+from tower_train.data.tfrecord import TFRecordSource
+from tower_train.data.tfrecord_writer import write_examples
 from tower_train.user_code import UserCodeError
 
 # Train files of 10, 13 and 7 records: 30 records, ids 0..29 in file order.

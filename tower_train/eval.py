@@ -125,10 +125,10 @@ def _eval(argv: list[str]) -> int:
     options = {name: getattr(config, name) for name in tt_flags.TRAINING_FLAGS}
     evaluation = evaluate_checkpoint(checkpoint=EVAL_FLAGS["checkpoint"].value,
                                      use_ema=EVAL_FLAGS["use_ema"].value, **options)
-    if held_out.precision is None:
-        print(f"precision @ 1 = none: no held-out label has any weight ({held_out.examples} examples)")
+    if evaluation.precision is None:
+        print(f"precision @ 1 = none: no held-out label has any weight ({evaluation.examples} examples)")
     else:
-        print(f"{held_out.describe()} ({held_out.examples} examples)")
+        print(f"{evaluation.describe()} ({evaluation.examples} examples)")
     return 0
 
 

@@ -157,7 +157,8 @@ def _records_of(source):
     import numpy as np
     import tensorflow as tf
 
-    from tower_train.data.tfrecord import TFRecordSource, write_examples
+    from tower_train.data.tfrecord import TFRecordSource
+    from tower_train.data.tfrecord_writer import write_examples
 
     directory = tempfile.mkdtemp(prefix="tower_train_benchmark_records.")
     atexit.register(shutil.rmtree, directory, ignore_errors=True)

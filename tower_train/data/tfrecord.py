@@ -15,10 +15,9 @@ import numpy as np
 import tensorflow as tf
 
 from tower_train.data.source import (_HOST, TRAIN_PREFETCH, DataError, Preprocess, Source, check_stream_arguments,
-                              weight_check, without_autotuning)
+                                     weight_check, without_autotuning)
 from tower_train.errors import UsageError, op_error_text
 from tower_train.data.tfrecord_check import COMPRESSIONS, Files, checked_files, file_fault
-from tower_train.data.tfrecord_writer import write_examples  # here too: the import path the docs show
 from tower_train.user_code import UserCodeError, describe, where
 
 FeatureConfig = Union[tf.io.FixedLenFeature, tf.io.VarLenFeature, tf.io.FixedLenSequenceFeature,

@@ -51,7 +51,7 @@ import tensorflow as tf
 from tower_train.data.source import Preprocess
 from tower_train.step.inner_step import Batch, BatchSpec, UpdateResult
 from tower_train.step.towers import (labels_per_shard, pass_seeds, regularization_gradients, split_batch,
-                                seed_generator_states, tower_function)
+                                     seed_generator_states, tower_function)
 from tower_train.step.update_rule import TrainingStatistics, UpdateRule
 from tower_train.step.update_sums import UpdateSums
 

@@ -73,8 +73,8 @@ from tower_train.data.source import Preprocess
 from tower_train.devices import Placement, canonical_device
 from tower_train.step.inner_step import Batch, BatchSpec, Decision, UpdateResult
 from tower_train.step.towers import (TowerResult, combine_gradients, compiled_tower_function, labels_per_shard,
-                                pass_seeds, read_in_compute_dtype, regularization_gradients, run_on_towers,
-                                seed_generator_states, split_batch, tower_function)
+                                     pass_seeds, read_in_compute_dtype, regularization_gradients, run_on_towers,
+                                     seed_generator_states, split_batch, tower_function)
 from tower_train.step.update_rule import TrainingStatistics, UpdateRule, tensors_finite
 from tower_train.step.update_sums import UpdateSums
 
