@@ -415,3 +415,23 @@ def test_tensorflows_own_info_lines_stay_dropped_where_fit_shows_its_own(caplog)
         absl.setLevel(level)
     assert [r.getMessage() for r in caplog.records if r.name == "absl"] == [
         "TF's warning", "the script's own line"]
+
+
+def test_the_import_paths_the_docs_have_shown_users_keep_working():
+    """The modules moved into packages (tower_train/data, step, training, workers); what README
+    and docs/ gave users to import still names the same objects."""
+    import tower_train.data
+    from tower_train.data.array_source import ArraySource
+    from tower_train.data.source import Source, register
+    from tower_train.data.tf_dataset import DatasetSource
+    from tower_train.data.tfrecord import TFRecordSource
+    from tower_train.data.tfrecord_writer import write_examples
+    from tower_train.tfrecord_source import TFRecordSource as old_path_source
+    from tower_train.tfrecord_source import write_examples as old_path_writer
+
+    assert (old_path_source, old_path_writer) == (TFRecordSource, write_examples)
+    assert (tower_train.data.register, tower_train.data.Source, tower_train.data.ArraySource,
+            tower_train.data.write_examples) == (register, Source, ArraySource, write_examples)
+    assert (tower_train.ArraySource, tower_train.Source, tower_train.DatasetSource,
+            tower_train.TFRecordSource) == (ArraySource, Source, DatasetSource, TFRecordSource)
+    assert tower_train.keras.fit.__module__ == "tower_train.keras"

@@ -7,6 +7,7 @@ import sys
 import pytest
 
 from test_cli_errors import ROOT
+from tower_train.benchmark.options import bench_flags
 from tower_train.benchmark.names import comparisons, default_configs, parse_config_name
 from tower_train.errors import UsageError
 
@@ -288,3 +289,18 @@ def test_tower_only_flags_reach_the_tower_kinds_and_leave_the_strategy_kinds_alo
     # (At K = 1, W sent back to each owner is computed from the input alone: it counts as input.)
     assert results["tower_psspread_k1"]["copied"]["gradients"] == (TOWERS - 1) * 2 * p + TOWERS * 10, results
     assert results["mirrored_k1"]["copied"]["gradients"] >= TOWERS * 4 * p  # float32, as ever
+
+
+def test_the_benchmarks_own_flags_are_the_ones_performance_md_tables_with_their_defaults():
+    text = open(f"{ROOT}/docs/performance.md").read()
+    documented = dict(re.findall(r"^\| `--(\w+)` \| ([^|]+?) \| [A-Z`]", text, re.M))
+    holders = bench_flags()
+    assert bench_flags() is holders  # defined once: absl refuses a flag defined twice
+    assert set(documented) == set(holders)
+    for name, holder in holders.items():
+        if holder.default in (None, []):
+            assert documented[name] in ("none", "the suite for `--measure`"), name
+        elif isinstance(holder.default, str):
+            assert documented[name] == f"`{holder.default}`", name
+        else:
+            assert float(documented[name].strip("`")) == holder.default, name

@@ -1,4 +1,4 @@
-"""Keras callbacks given to `tower_train.fit(callbacks=[...])` (tower_train/callbacks.py): what
+"""Keras callbacks given to `tower_train.fit(callbacks=[...])` (tower_train/training/keras_callbacks.py): what
 they hear and when, a stop by `model.stop_training` at an update boundary that resumes bit for
 bit, a callback's error, TerminateOnNaN beside the non-finite policy, and bad input."""
 import csv

@@ -1,4 +1,4 @@
-"""--ps_device=spread (tower_train/spread.py: slice_rows, SpreadState, SpreadLayout's reduction on
+"""--ps_device=spread (tower_train/step/spread.py: slice_rows, SpreadState, SpreadLayout's reduction on
 the owners): where the slices go, that an update is the one --ps_device=cpu applies, that refused
 updates move nothing, that checkpoints are the same whatever the placement, and what crosses
 devices."""

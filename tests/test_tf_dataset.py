@@ -1,4 +1,4 @@
-"""`tower_train.DatasetSource` (tower_train/dataset_source.py): a tf.data pipeline trains a Keras model
+"""`tower_train.DatasetSource` (tower_train/data/tf_dataset.py): a tf.data pipeline trains a Keras model
 to the weights of Keras's own `fit` on the same examples, in two layouts of one G; resumes bit for
 bit; its stream is cut the same way by any batch, a resume and the workers' shards; and bad input
 is one UsageError line with nothing written."""

@@ -22,7 +22,7 @@ from tower_train.errors import UsageError
 @dataclasses.dataclass(frozen=True)
 class ModeRules:
     """What a --mode is and allows: every rule that depends on the mode, written once here
-    (modes.py builds each mode's strategy and inner step)."""
+    (step/modes.py builds each mode's strategy and inner step)."""
 
     name: str
     all_reduce: tuple[str, ...]  # the --all_reduce choices
@@ -39,7 +39,7 @@ class ModeRules:
     keeps_replica_state: bool = True
 
 
-# The one registry of the modes: modes.py's Mode classes take their rules from it by name.
+# The one registry of the modes: step/modes.py's Mode classes take their rules from it by name.
 MODE_RULES = {rules.name: rules for rules in (
     # Reduces on the parameter device, by hand.
     ModeRules("tower", ("auto",), ("parameter_device", "parameter_device"), places_towers=True),

@@ -150,7 +150,7 @@ def fit(model: keras.Model, x: Any = None, y: Any = None, batch_size: int | None
                 num_gpus=num_gpus, accum=accum, batch_size=batch_size // towers,
                 max_steps=(epochs - initial_epoch) * per_epoch, train_dir=train_dir, **options)
     finally:
-        # The run gave the trained network its optimizer (callbacks.py); compile()'s goes back.
+        # The run gave the trained network its optimizer (training/keras_callbacks.py); compile()'s goes back.
         object.__setattr__(model, "optimizer", loop.own_optimizer)
         if given_dir is None:
             shutil.rmtree(train_dir, ignore_errors=True)

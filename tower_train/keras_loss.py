@@ -2,7 +2,7 @@
 `tower_train.keras.fit` (keras.py): one loss for one output, or a loss per output (a dict by
 output name, or a list in the outputs' order) with `loss_weights`.
 
-The run's network returns one tensor (towers.py weighs one loss per example), so the outputs of
+The run's network returns one tensor (step/towers.py weighs one loss per example), so the outputs of
 a model of several are packed into one, [b, sum of their sizes], by `KerasModel.call` when its
 loss says `packs_outputs` (keras_model.py), and unpacked here into the model's structure.
 """

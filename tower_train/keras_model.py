@@ -5,7 +5,7 @@
 that returns one, with a loss: a Keras loss name, a `keras.losses.Loss`, or a
 callable ``(labels, outputs) -> per-label loss``. `KerasModel` wraps the model
 in a `TowerModel` whose `per_example_loss` is that loss with reduction none, so
-the update stays the weighted mean over all its labels (towers.py), and whose
+the update stays the weighted mean over all its labels (step/towers.py), and whose
 regularization is the model's Keras weight regularizers, once per update.
 
 An instance is cloned (`keras.models.clone_model`) where the run makes its

@@ -51,7 +51,7 @@ class TrainResult:
     step: int  # updates applied, counting from 0 across resumes
     loss: float | None  # of the last update; None when there was nothing left to train
     eval_precision: float | None  # weighted top-1 on the held-out data; None without any
-    # Its weighted loss, the regularization once and the batch losses' mean (evaluation.py);
+    # Its weighted loss, the regularization once and the batch losses' mean (held_out.py);
     # None without any.
     eval_loss: float | None
     eval_examples: int  # held-out examples counted
@@ -136,7 +136,7 @@ class Controller:
                 raise TrainingError(f"update {_value(self.state.step) + 1} failed: "
                                     f"{self.describe_error(e)}; the last good checkpoint is "
                                     f"{self.last_checkpoint or 'none'}") from None
-            except UsageError as e:  # a check of the update's first trace (towers.py)
+            except UsageError as e:  # a check of the update's first trace (step/towers.py)
                 raise UsageError(traced_message(e)) from None
             seconds = time.perf_counter() - start
             self.watchdog.progress()
@@ -288,8 +288,8 @@ def train(config: TrainConfig, spec: ModelSpec, source: Source, mode: Mode,
     ops). In multi_worker mode every worker calls this; only the chief's checkpoints and
     summaries land in train_dir. When `stop` has received a signal, the run saves at the end
     of the current update and raises Stopped. `live_progress` draws a live progress line
-    (a terminal) instead of log lines. `callbacks`: the user's Keras callbacks (callbacks.py).
-    `metrics`: Keras metrics computed at every held-out evaluation (evaluation.py).
+    (a terminal) instead of log lines. `callbacks`: the user's Keras callbacks (keras_callbacks.py).
+    `metrics`: Keras metrics computed at every held-out evaluation (held_out.py).
     """
     with run_numerics(config.deterministic, config.tf32):
         return _train(config, spec, source, mode, watchdog, stop, live_progress, callbacks,

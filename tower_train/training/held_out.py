@@ -49,7 +49,7 @@ _REPORTED = ("step", "precision", "loss")
 @dataclasses.dataclass(frozen=True)
 class Evaluation:
     """One held-out evaluation. precision, loss and metrics are None / empty when no held-out
-    label has any weight; precision is None for targets (no classes: data.py)."""
+    label has any weight; precision is None for targets (no classes: data/source.py)."""
 
     examples: int  # held-out examples counted
     precision: float | None  # weighted precision @ 1

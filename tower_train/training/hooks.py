@@ -1,4 +1,4 @@
-"""What the Controller (trainer.py) tells its hooks of a run, and `Hook`, their base.
+"""What the Controller (controller.py) tells its hooks of a run, and `Hook`, their base.
 
 In order, every hook hears: `train_begin()`; for each update `update_begin(step)` before it is
 computed (`step`: the number it gets once applied) and `after_update(event)` once it is applied;

@@ -20,7 +20,7 @@ training goes on: the checkpoints, which a resume needs, report their own failur
 earlier updates are in TensorBoard). "step", "loss" and "learning_rate" at the
 same updates as TensorBoard's points; "val_step", "val_precision" (weighted
 precision @ 1), "val_loss" and "val_<name>" of each of fit's `metrics` at every
-held-out evaluation that counted an example (evaluation.py).
+held-out evaluation that counted an example (held_out.py).
 """
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ def learning_rate(optimizer) -> float:
 
 def new_history(metric_names: Sequence[str] = (), classes: bool = True) -> dict[str, list[float]]:
     """An empty `TrainResult.history` (see the module docstring), with a key for each of the
-    held-out metrics named; without `classes` (targets: data.py) no val_precision."""
+    held-out metrics named; without `classes` (targets: data/source.py) no val_precision."""
     keys = [key for key in HISTORY_KEYS if classes or key != "val_precision"]
     return {key: [] for key in (*keys, *(f"val_{name}" for name in metric_names))}
 
