@@ -310,7 +310,8 @@ def test_a_callback_that_raises_is_one_line_naming_it_with_training_saved(tmp_pa
 
 def test_terminate_on_nan_never_sees_a_non_finite_loss_which_the_trainer_refuses(tmp_path):
     """A non-finite update is refused before callbacks hear of its end: with --nonfinite=skip
-    the run goes on (TerminateOnNaN never stops it), with stop it ends in a TrainingError."""
+    the run goes on (TerminateOnNaN never stops it); with stop and no TerminateOnNaN it ends in a
+    TrainingError."""
     x, _ = arrays()
     x[9, 0] = np.nan  # in update 2's examples (8..15)
     recorder, terminate = Recorder(), keras.callbacks.TerminateOnNaN()
@@ -324,8 +325,37 @@ def test_terminate_on_nan_never_sees_a_non_finite_loss_which_the_trainer_refuses
 
     recorder = Recorder()
     with pytest.raises(tower_train.TrainingError, match="update 2 has a non-finite loss"):
-        run(tmp_path / "stop", features=x, callbacks=[keras.callbacks.TerminateOnNaN(), recorder])
+        run(tmp_path / "stop", features=x, callbacks=[recorder])
     assert recorder.indices("batch_begin") == [1, 2] and recorder.indices("batch_end") == [1]
+
+
+def test_terminate_on_nan_under_nonfinite_stop_ends_the_run_at_the_refused_update(tmp_path,
+                                                                                 caplog):
+    """As Keras's fit stops at a NaN loss and returns: the update is refused, the run stops there
+    saved, with one warning naming it, the callbacks hear on_train_end, and fit returns the
+    TrainResult of the update before it, whose weights are those of a run of that update alone."""
+    x, _ = arrays()
+    reference = run(tmp_path / "one", features=x.copy(), max_steps=1)
+    x[9, 0] = np.nan  # in update 2's examples (8..15)
+    recorder = Recorder()
+    result = run(tmp_path / "stop", features=x,
+                 callbacks=[keras.callbacks.TerminateOnNaN(), recorder])
+    assert result.step == 1 and result.loss == reference.loss
+    for got, expected in zip(result.model.get_weights(), reference.model.get_weights(),
+                             strict=True):
+        np.testing.assert_allclose(got, expected, rtol=1e-6)
+    assert np.abs(result.model.get_weights()[0] - INITIAL[0]).max() > 1e-3  # update 1 applied
+    assert [call[0] for call in recorder.calls] == [
+        "train_begin", "batch_begin", "batch_end", "batch_begin", "train_end"]
+    assert recorder.indices("batch_begin") == [1, 2]
+    saved = tmp_path / "stop" / "ckpt-1"
+    assert result.checkpoint == str(saved)
+    assert int(tf.train.load_variable(str(saved), "step/.ATTRIBUTES/VARIABLE_VALUE")) == 1
+    warnings = [record.getMessage() for record in caplog.records if record.levelname == "WARNING"]
+    assert [warning for warning in warnings if "TerminateOnNaN" in warning] == [
+        "update 2 has a non-finite loss or gradient (loss = nan) and was not applied; callback "
+        f"TerminateOnNaN stops the run there (--nonfinite=stop): stopped after update 1, saved "
+        f"{saved}"], warnings
 
 
 @pytest.mark.parametrize("callbacks, message", [

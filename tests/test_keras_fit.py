@@ -527,20 +527,34 @@ def test_backup_and_restore_resumes_an_interrupted_run_as_kerass_does(tmp_path):
 
 
 def test_a_nan_loss_stops_the_run_before_the_weights_take_it(caplog):
-    """With TerminateOnNaN, Keras's fit applies the NaN update, then stops; here the update is
-    never applied (--nonfinite=stop): the run stops with a TrainingError naming the update, the
-    model keeps the weights of the updates before it."""
+    """With TerminateOnNaN, Keras's fit applies the NaN update, then stops and returns; here the
+    update is never applied (--nonfinite=stop): the run stops there as TerminateOnNaN asks, with
+    one warning naming it, ends for the callbacks and returns the History, the model holding the
+    weights of Keras's fit on the two updates before it."""
     keras.utils.set_random_seed(14)
+    initial = binary().get_weights()
     x, y = data("binary", seed=11)
     x[2 * B * K] = np.nan  # in the third update
-    model = compiled(binary, binary().get_weights(), "binary_crossentropy")
-    before = model.get_weights()
-    with pytest.raises(tower_train.TrainingError, match="update 3 has a non-finite loss"):
-        tower_train.keras.fit(model, x, y, batch_size=B, shuffle=False, verbose=0,
-                              callbacks=[keras.callbacks.TerminateOnNaN()], **LAYOUT)
-    trained = model.get_weights()
-    assert all(np.isfinite(weight).all() for weight in trained)
-    assert np.abs(trained[0] - before[0]).max() > 1e-3  # the two updates before it were applied
+    model = compiled(binary, initial, "binary_crossentropy")
+    ended = []
+    history = tower_train.keras.fit(
+        model, x, y, batch_size=B, shuffle=False, verbose=0, **LAYOUT,
+        callbacks=[keras.callbacks.TerminateOnNaN(),
+                   keras.callbacks.LambdaCallback(on_train_end=lambda logs: ended.append(logs))])
+    reference = compiled(binary, initial, "binary_crossentropy")
+    want = reference.fit(x[:2 * B * K], y[:2 * B * K], batch_size=B * K, shuffle=False, verbose=0)
+    assert len(ended) == 1 and model.history is history
+    assert history.epoch == [0]  # the epoch it stopped in ends, as in Keras's fit
+    np.testing.assert_allclose(history.history["loss"], want.history["loss"], rtol=1e-4)
+    assert np.abs(model.get_weights()[0] - initial[0]).max() > 1e-3  # the two updates applied
+    for got, expected in zip(model.get_weights(), reference.get_weights(), strict=True):
+        np.testing.assert_allclose(got, expected, atol=1e-4)
+    assert int(model.optimizer.iterations) == 2
+    warnings = [record.getMessage() for record in caplog.records if record.levelname == "WARNING"]
+    stops = [warning for warning in warnings if "TerminateOnNaN" in warning]
+    assert len(stops) == 1 and stops[0].startswith(
+        "update 3 has a non-finite loss or gradient (loss = nan) and was not applied; callback "
+        "TerminateOnNaN stops the run there (--nonfinite=stop): stopped after update 2, saved "), warnings
 
 
 # keras-io examples, their data sets replaced by random arrays of the same shapes (fewer), each

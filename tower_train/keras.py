@@ -268,6 +268,12 @@ class _KerasFitLoop(keras.callbacks.Callback):
         # compile()'s, which the run's copy stands in for as the trained network's `optimizer`.
         self.own_optimizer: keras.optimizers.Optimizer = model.optimizer
 
+    @property
+    def callbacks(self) -> list[keras.callbacks.Callback]:
+        """The callbacks it tells, listed as a CallbackList lists them: the run finds a
+        TerminateOnNaN of the user's among them (training/keras_callbacks.py)."""
+        return self.list.callbacks
+
     def set_model(self, model: keras.Model) -> None:
         super().set_model(model)
         self.list.set_model(model)

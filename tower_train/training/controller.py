@@ -88,7 +88,9 @@ class Controller:
     It saves a checkpoint every `checkpoint_every` updates and at the end, and tells every hook
     of the run (hooks.py), in order: the held-out values one hook returns from `after_update`
     reach every hook as `after_evaluation`. A hook of the user's code (`Hook.user_code`, the
-    Keras callbacks) may stop the run at an update boundary, saved. `any_worker` makes a stop
+    Keras callbacks) may stop the run at an update boundary, saved, and one may stop it so at a
+    non-finite update that --nonfinite=stop would fail on (`Hook.stops_at_nonfinite`: Keras's
+    TerminateOnNaN), refused, with a warning. `any_worker` makes a stop
     decision collective (multi_worker); `watchdog` hears of every micro-step, update and save,
     and of the first update of the process as local work (it traces the step functions; TF's
     collective timeout still covers its reduction). `describe_error` words an op error of an
@@ -98,11 +100,12 @@ class Controller:
     def __init__(self, *, config: TrainConfig, state: TrainState, inner: InnerStep,
                  batches: Iterator[Batch], writer: checkpoints.CheckpointWriter,
                  hooks: Sequence[Hook], global_batch: int, log: Callable[..., None],
-                 stop: StopSignals | None = None, any_worker: Callable[[bool], bool] = bool,
+                 warn: Callable[..., None] = logging.warning, stop: StopSignals | None = None, any_worker: Callable[[bool], bool] = bool,
                  watchdog: PeerClock = PeerClock(),
                  describe_error: Callable[[tf.errors.OpError], str] = op_error_text):
         self.config, self.state, self.inner, self.batches = config, state, inner, batches
-        self.writer, self.hooks, self.global_batch, self.log = writer, hooks, global_batch, log
+        self.writer, self.hooks, self.global_batch = writer, hooks, global_batch
+        self.log, self.warn = log, warn
         self.stop, self.any_worker, self.watchdog = stop, any_worker, watchdog
         self.describe_error = describe_error
         self.skipped = self.skipped_in_a_row = 0  # updates refused for a non-finite value
@@ -142,8 +145,13 @@ class Controller:
             self.watchdog.progress()
             self.state.examples_seen.assign_add(self.global_batch)
             if not result.applied:
-                self._refused(result)
+                stopping = self._refused(result)
                 self._stop_if_asked(_value(self.state.step))
+                if stopping:
+                    self._save_boundary(step)
+                    self.warn("%s: stopped after update %d, saved %s", stopping, step,
+                              self.last_checkpoint)
+                    break
                 continue
             self.skipped_in_a_row = self.empty_in_a_row = 0
             step, loss = _value(self.state.step), result.loss
@@ -241,8 +249,10 @@ class Controller:
         raise Stopped(f"stopped by {name} after update {step}; saved {self.last_checkpoint}; "
                       "run the same command to resume", signal_number or signal.SIGTERM)
 
-    def _refused(self, result: UpdateResult) -> None:
-        """Applies the policy for an update that was not applied; raises TrainingError to stop."""
+    def _refused(self, result: UpdateResult) -> str | None:
+        """Applies the policy for an update that was not applied; raises TrainingError to stop.
+        Returns what ends the run here instead, without an error: a non-finite update under
+        --nonfinite=stop that a hook stops the run at (`Hook.stops_at_nonfinite`); else None."""
         update = _value(self.state.step) + 1
         if result.decision == Decision.EMPTY:
             self.empty_in_a_row += 1
@@ -254,18 +264,21 @@ class Controller:
                                     f"{self.last_checkpoint or 'none'}")
             self.log("update %d has total weight 0 (every label weighs 0) and was not applied; "
                      "its examples are passed over", update)
-            return
+            return None
         if result.decision == Decision.OVERFLOW:
             scale = float(self.state.loss_scale.value.numpy())
             self.log("update %d: float16 gradient overflow; update skipped, loss scale lowered to %g",
                      update, scale)
-            return
+            return None
         self.skipped_in_a_row += 1
         self.skipped += 1
         last_good = self.last_checkpoint or "none: no checkpoint was written yet"
         what = (f"update {update} has a non-finite loss or gradient (loss = {result.loss}) and was "
                 "not applied")
         if self.config.nonfinite == "stop":
+            stopper = next(filter(None, (hook.stops_at_nonfinite() for hook in self.hooks)), None)
+            if stopper:
+                return f"{what}; {stopper} stops the run there (--nonfinite=stop)"
             raise TrainingError(f"{what}; stopping (--nonfinite=stop); the last good checkpoint is "
                                 f"{last_good}")
         if self.skipped_in_a_row >= self.config.max_skipped:
@@ -273,6 +286,7 @@ class Controller:
                                 f"--max_skipped={self.config.max_skipped}; the last good checkpoint "
                                 f"is {last_good}")
         self.log("%s; skipped (%d in a row, %d in all)", what, self.skipped_in_a_row, self.skipped)
+        return None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -341,7 +355,7 @@ def _train(config: TrainConfig, spec: ModelSpec, source: Source, mode: Mode, wat
         hooks.append(keras_callbacks)
     controller = Controller(config=config, state=state, inner=run.inner, batches=batches,
                             writer=writer, hooks=hooks, global_batch=global_batch, log=log,
-                            stop=stop, any_worker=mode.any_worker, watchdog=watchdog,
+                            warn=_worker_logger(worker, logging.warning), stop=stop, any_worker=mode.any_worker, watchdog=watchdog,
                             describe_error=source.describe_error)
     if stop is not None:
         stop.listen(config.stop_grace_period, config.train_dir)
@@ -404,8 +418,9 @@ def _value(variable: tf.Variable) -> int:
     return int(variable.numpy())
 
 
-def _worker_logger(worker: WorkerInfo) -> Callable[..., None]:
+def _worker_logger(worker: WorkerInfo,
+                   level: Callable[..., None] = logging.info) -> Callable[..., None]:
     if worker.count == 1:
-        return logging.info
-    return lambda message, *args: logging.info(f"[{worker.name}] {message}", *args)
+        return level
+    return lambda message, *args: level(f"[{worker.name}] {message}", *args)
 

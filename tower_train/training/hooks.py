@@ -54,6 +54,11 @@ class Hook:
         """Who asks to stop the run at this update boundary (saved); None: no one."""
         return None
 
+    def stops_at_nonfinite(self) -> str | None:
+        """Who stops the run, saved and without an error, at a non-finite update that
+        --nonfinite=stop refuses (Keras's TerminateOnNaN); None: no one, the run fails."""
+        return None
+
     def train_end(self) -> None:
         pass
 

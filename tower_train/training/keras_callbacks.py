@@ -9,8 +9,11 @@ place of an epoch:
   values the Controller tells its hooks (hooks.py), as in `TrainResult.history`, at the update
   it followed.
 
-`model.stop_training = True` asks the Controller to stop at the update boundary, saved. An
-error in a callback is the user's: one line naming its file:line (`user_code.call_user_code`).
+`model.stop_training = True` asks the Controller to stop at the update boundary, saved. A
+`keras.callbacks.TerminateOnNaN` never hears of a non-finite loss, whose update is refused before
+its end is told; under --nonfinite=stop it stops the run there instead, as Keras's fit stops at
+that loss and returns (`stops_at_nonfinite`). An error in a callback is the user's: one line
+naming its file:line (`user_code.call_user_code`).
 """
 from __future__ import annotations
 
@@ -57,6 +60,10 @@ class KerasCallbacks(Hook):
     def stop_asked(self) -> str | None:
         return self._stopped_by if self._model.stop_training else None
 
+    def stops_at_nonfinite(self) -> str | None:
+        terminating = _terminate_on_nan(self._callbacks)
+        return None if terminating is None else f"callback {type(terminating).__name__}"
+
     def train_begin(self) -> None:
         self._model.stop_training = False
         self._call("on_train_begin")
@@ -90,3 +97,17 @@ class KerasCallbacks(Hook):
         call_user_code(lambda: getattr(callback, method)(*args), name)
         if self._stopped_by is None and self._model.stop_training:
             self._stopped_by = name
+
+
+def _terminate_on_nan(callbacks: Sequence[keras.callbacks.Callback]
+                      ) -> keras.callbacks.TerminateOnNaN | None:
+    """The first TerminateOnNaN among `callbacks` or among those one of them tells in turn, which
+    it lists in `callbacks` as a `keras.callbacks.CallbackList` does (tower_train.keras.fit's
+    loop, which tells the user's)."""
+    for callback in callbacks:
+        if isinstance(callback, keras.callbacks.TerminateOnNaN):
+            return callback
+        told = getattr(callback, "callbacks", None)
+        if isinstance(told, (list, tuple)) and (found := _terminate_on_nan(told)) is not None:
+            return found
+    return None
