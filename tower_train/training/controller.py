@@ -100,7 +100,8 @@ class Controller:
     def __init__(self, *, config: TrainConfig, state: TrainState, inner: InnerStep,
                  batches: Iterator[Batch], writer: checkpoints.CheckpointWriter,
                  hooks: Sequence[Hook], global_batch: int, log: Callable[..., None],
-                 warn: Callable[..., None] = logging.warning, stop: StopSignals | None = None, any_worker: Callable[[bool], bool] = bool,
+                 warn: Callable[..., None] = logging.warning, stop: StopSignals | None = None,
+                 any_worker: Callable[[bool], bool] = bool,
                  watchdog: PeerClock = PeerClock(),
                  describe_error: Callable[[tf.errors.OpError], str] = op_error_text):
         self.config, self.state, self.inner, self.batches = config, state, inner, batches
