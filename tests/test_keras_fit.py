@@ -892,3 +892,76 @@ def test_keras_io_examples_run_as_scripts_with_one_changed_call(tmp_path, monkey
                               re.S))
     assert printed == {name: str(keys) for name, keys in want.items()}, result.stdout[-3000:]
     assert all("val_loss" in keys for keys in want.values())
+
+
+def test_an_embeddings_row_under_adam_steps_sqrt_n_in_kerass_fit_and_lr_here():
+    """docs/keras.md's "Embeddings under Adam": one Adam update on Embedding -> mean pool ->
+    Dense, tokens 1, 2, 3 repeated n = 1, 4, 16 times in the batch (each in n identical
+    examples). Keras's fit hands Adam a row per occurrence and steps the token's row by about
+    sqrt(n) x lr; tower_train.keras.fit steps it by lr, a plain Adam step on the dense gradient."""
+    repeats = {1: 1, 2: 4, 3: 16}  # token: its occurrences in the one batch
+    x = np.array([[token, 10 + token] for token, n in repeats.items() for _ in range(n)], np.int32)
+    y = np.array([[0.5 * token] for token, n in repeats.items() for _ in range(n)], np.float32)
+
+    def make():
+        inputs = keras.Input((2,), dtype="int32")
+        pooled = keras.layers.GlobalAveragePooling1D()(keras.layers.Embedding(16, 4)(inputs))
+        return keras.Model(inputs, keras.layers.Dense(1)(pooled))
+
+    keras.utils.set_random_seed(11)
+    initial = make().get_weights()
+    reference = compiled(make, initial, "mse")
+    reference.fit(x, y, batch_size=len(y), epochs=1, shuffle=False, verbose=0)
+    model = compiled(make, initial, "mse")
+    tower_train.keras.fit(model, x, y, batch_size=len(y), epochs=1, shuffle=False, verbose=0,
+                          num_gpus=1, accum=1)
+    # Independently: the dense gradient (duplicate rows summed) and Adam's first step on it,
+    # lr * m_hat / (sqrt(v_hat) + eps) with Keras's eps on the uncorrected v.
+    plain = make()
+    plain.set_weights(initial)
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_mean(tf.square(plain(x, training=True) - y))
+    gradient = tf.convert_to_tensor(tape.gradient(loss, plain.trainable_weights[0])).numpy()
+    beta_2, lr, eps = 0.999, 1e-2, 1e-7
+    want = initial[0] - lr * gradient / (np.abs(gradient) + eps / np.sqrt(1 - beta_2))
+    np.testing.assert_allclose(model.get_weights()[0], want, atol=1e-6)
+    here = np.abs(model.get_weights()[0] - initial[0])
+    kerass = np.abs(reference.get_weights()[0] - initial[0])
+    for token, n in repeats.items():
+        np.testing.assert_allclose(here[token], lr, rtol=1e-3)
+        np.testing.assert_allclose(kerass[token] / here[token], np.sqrt(n), rtol=1e-3)
+    print("Keras's step / tower_train's on the row of a token repeated n times:",
+          {n: round(float(np.mean(kerass[token] / here[token])), 4)
+           for token, n in repeats.items()})
+
+
+def test_batchnorms_moving_mean_moves_at_every_micro_step_of_every_tower():
+    """docs/keras.md's "BatchNorm": the moving mean after 3 updates of N=2 towers x K=2
+    micro-steps on data centred at 3, against Keras's fit at batch_size x accum. Keras's fit moves
+    it 3 times, tower mode N x K = 12 times (docs/batchnorm.md): from the initial 0 it goes
+    about (1 - 0.99^12) / (1 - 0.99^3) = 3.8 times as far."""
+    x = data("binary")[0] + 3.0
+    y = data("binary")[1]
+    updates = 3
+
+    def make():
+        return keras.Sequential([keras.Input((5,)), keras.layers.Dense(4),
+                                 keras.layers.BatchNormalization(name="norm"),
+                                 keras.layers.Dense(1, activation="sigmoid")])
+
+    keras.utils.set_random_seed(12)
+    initial = make().get_weights()
+    reference = compiled(make, initial, "binary_crossentropy")
+    reference.fit(x[:updates * B * K], y[:updates * B * K], batch_size=B * K, epochs=1,
+                  shuffle=False, verbose=0)
+    model = compiled(make, initial, "binary_crossentropy")
+    tower_train.keras.fit(model, x, y, batch_size=B, epochs=1, steps_per_epoch=updates,
+                          shuffle=False, verbose=0, **LAYOUT)
+    moving_mean = {name: np.asarray(m.get_layer("norm").moving_mean)
+                   for name, m in (("here", model), ("kerass", reference))}
+    ratio = np.abs(moving_mean["here"]).sum() / np.abs(moving_mean["kerass"]).sum()
+    print("moving mean, distance from 0 here / in Keras's fit:", round(float(ratio), 3),
+          moving_mean)
+    momentum = 0.99
+    assert ratio == pytest.approx((1 - momentum ** (N * K * updates)) / (1 - momentum ** updates),
+                                  rel=0.1)
