@@ -163,12 +163,12 @@ class TFRecordSource(Source):
     # The Source interface
 
     def _raw_train_batches(self, seed: int, start_position: int, batch: int) -> tf.data.Dataset:
-        examples = self._train_examples(self.train_files, _shuffle_key(seed), start_position)
+        examples = self._train_examples(self.train_files, _shuffle_key(seed), start_position, batch)
         return self._parse_batches(examples, batch, drop_remainder=True)
 
     def _raw_eval_batches(self, batch_size: int) -> tf.data.Dataset:
         records = (_empty_records() if self.eval_files is None else self._read(self.eval_files))
-        examples = tf.data.Dataset.zip(tf.data.Dataset.counter(), records)
+        examples = _numbered(records, 0, batch_size, drop_remainder=False)
         return self._parse_batches(examples, batch_size, drop_remainder=False)
 
     def train_stream(self, *, seed: int, start_position: int, micro_batch: int,
@@ -186,15 +186,10 @@ class TFRecordSource(Source):
         check_stream_arguments(seed, start_position, micro_batch, shard_index, num_shards)
         with tf.device(_HOST):
             if self.sharding == "stream":
-                examples = self._train_examples(self.train_files, _shuffle_key(seed), start_position)
-                global_batch = micro_batch * num_shards
-                first = shard_index * micro_batch
-
-                def mine(position, record):
-                    offset = (position - start_position) % global_batch
-                    return (offset >= first) & (offset < first + micro_batch)
-
-                examples = examples.filter(mine)
+                examples = self._train_examples(self.train_files, _shuffle_key(seed), start_position,
+                                                micro_batch * num_shards)
+                mine = slice(shard_index * micro_batch, (shard_index + 1) * micro_batch)
+                examples = examples.map(lambda positions, records: (positions[mine], records[mine]))
             else:
                 if start_position % num_shards:
                     raise ValueError(f"sharding='files': start_position {start_position} must be a multiple "
@@ -205,8 +200,8 @@ class TFRecordSource(Source):
                                     f"{num_shards} train files, found {len(self.train_files)}; use "
                                     "sharding='stream' or split the data into more files")
                 key = _shuffle_key(seed, shard_index, num_shards)
-                examples = self._train_examples(files, key, start_position // num_shards).map(
-                    lambda position, record: (position * num_shards + shard_index, record))
+                examples = self._train_examples(files, key, start_position // num_shards, micro_batch).map(
+                    lambda positions, records: (positions * num_shards + shard_index, records))
             batches = self._parse_batches(examples, micro_batch, drop_remainder=True)
 
             def prepare(positions, features, labels, weights):
@@ -274,13 +269,16 @@ class TFRecordSource(Source):
             output_types=[tf.string], output_shapes=[tf.TensorShape([])])
         return tf.data.experimental.from_variant(variant, records.element_spec)
 
-    def _train_examples(self, files: Sequence[str], key: tf.Tensor, start_position: int) -> tf.data.Dataset:
-        """Infinite (position int64, record string) from `start_position`, not parsed."""
+    def _train_examples(self, files: Sequence[str], key: tf.Tensor, start_position: int,
+                        batch: int) -> tf.data.Dataset:
+        """Infinite batches of `batch` consecutive stream positions from `start_position`:
+        (positions int64 [batch], records string [batch]), not parsed."""
         first_epoch, first_position = self._skippable_epochs(files, start_position)
         records = tf.data.Dataset.counter(start=first_epoch).flat_map(
             lambda epoch: self._epoch(files, key, epoch))
-        examples = tf.data.Dataset.zip(tf.data.Dataset.counter(start=first_position), records)
-        examples = examples.skip(start_position - first_position)
+        if start_position > first_position:  # a skip op costs every later record a call too
+            records = records.skip(start_position - first_position)
+        examples = _numbered(records, start_position, batch, drop_remainder=True)
         options = tf.data.Options()
         options.deterministic = True
         return examples.with_options(options)
@@ -303,7 +301,7 @@ class TFRecordSource(Source):
         return 0, 0
 
     def _parse_batches(self, examples: tf.data.Dataset, batch: int, drop_remainder: bool) -> tf.data.Dataset:
-        """(position, record) -> batches of (positions int64, features, labels, weights float32).
+        """Batches of (positions, records) -> (positions int64, features, labels, weights float32).
 
         When every feature has a fixed length, a batch of records is parsed at once
         (`tf.io.parse_example`) and `parse` vectorized over it, which costs far less per example
@@ -313,7 +311,7 @@ class TFRecordSource(Source):
             def parse_one(position, record):
                 return (position, *self._checked(*self._user_parse(record)))
 
-            parsed = examples.map(parse_one, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+            parsed = examples.unbatch().map(parse_one, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
             return parsed.batch(batch, drop_remainder=drop_remainder)
 
         def parse_many(positions, records):
@@ -321,8 +319,7 @@ class TFRecordSource(Source):
             out = tf.vectorized_map(lambda example: tuple(self._call_parse(example)), columns)
             return (positions, *self._checked(*out, batched=True))
 
-        batches = examples.batch(batch, drop_remainder=drop_remainder)
-        return batches.map(parse_many, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+        return examples.map(parse_many, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
 
     def _call_parse(self, example: dict[str, tf.Tensor]) -> tuple:
         out = self.parse(example)
@@ -433,6 +430,15 @@ def _shuffle_key(seed: int, shard_index: int = 0, num_shards: int = 1) -> tf.Ten
 
 def _shape(shape: tf.TensorShape) -> str:
     return str(shape.as_list()) if shape.rank is not None else "(unknown shape)"
+
+
+def _numbered(records: tf.data.Dataset, start_position: int, batch: int, drop_remainder: bool) -> tf.data.Dataset:
+    """`records` in batches of `batch`, with their stream positions from `start_position`:
+    (positions int64 [b], records string [b]). The positions are counted per batch, not per
+    record: a zip with a counter of positions cost each record as much as reading it."""
+    starts = tf.data.Dataset.counter(start=start_position, step=batch)
+    batches = tf.data.Dataset.zip(starts, records.batch(batch, drop_remainder=drop_remainder))
+    return batches.map(lambda first, chunk: (first + tf.range(tf.size(chunk, out_type=tf.int64)), chunk))
 
 
 def _empty_records() -> tf.data.Dataset:
