@@ -356,7 +356,8 @@ def _train(config: TrainConfig, spec: ModelSpec, source: Source, mode: Mode, wat
         hooks.append(keras_callbacks)
     controller = Controller(config=config, state=state, inner=run.inner, batches=batches,
                             writer=writer, hooks=hooks, global_batch=global_batch, log=log,
-                            warn=_worker_logger(worker, logging.warning), stop=stop, any_worker=mode.any_worker, watchdog=watchdog,
+                            warn=_worker_logger(worker, logging.warning), stop=stop,
+                            any_worker=mode.any_worker, watchdog=watchdog,
                             describe_error=source.describe_error)
     if stop is not None:
         stop.listen(config.stop_grace_period, config.train_dir)
