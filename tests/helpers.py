@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import codecs
+import functools
 import os
 import re
 import selectors
@@ -34,12 +35,21 @@ def make_run(model=None, source: data.Source | None = None, **overrides) -> Run:
 
 
 def host_batches(run: Run):
-    """`run.batches()` preprocessed on the host: micro-batches of the model's input, for a test
-    that reads or poisons the images (the run's own stream is raw, `data.RawInput`, for the
-    towers to preprocess); an inner step takes either."""
+    """`run.batches()` preprocessed on the host and not fed to the devices: global micro-batches
+    of the model's input, for a test that reads or poisons the images (the run's own stream is
+    raw, `data.RawInput`, for the towers to preprocess); `fed` gives them to the step, which
+    takes either."""
     return iter(run.source.train_stream(
         seed=run.config.seed, start_position=int(run.state.examples_seen.numpy()),
         micro_batch=run.config.batch_size * len(run.mode.plan.tower_devices)))
+
+
+def fed(inner, batches):
+    """Global micro-batches on the host (a finite iterable of (features, labels, weights)) as
+    `inner.run_update` takes them: through the step's own `feed`, as training's stream comes."""
+    dataset = functools.reduce(tf.data.Dataset.concatenate,
+                               [tf.data.Dataset.from_tensors(tuple(batch)) for batch in batches])
+    return inner.feed(dataset)
 
 
 def unit_weighted(features, labels) -> tuple:

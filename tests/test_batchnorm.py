@@ -14,6 +14,8 @@ What one update does to BN (see docs/batchnorm.md):
 The probe model puts BN directly on the images, so every expected statistic is
 a numpy mean or variance of the recorded input shards.
 """
+import itertools
+
 import keras
 import numpy as np
 import pytest
@@ -24,7 +26,7 @@ from tower_train.models.resnet20 import ResNet20
 from tower_train.data import catalog
 from tower_train.config import TrainConfig
 from tower_train.errors import UsageError
-from helpers import host_batches, make_run, weights
+from helpers import fed, host_batches, make_run, weights
 
 MOMENTUM = 0.5  # the probe's: large steps, so the order and the number of steps show clearly
 
@@ -55,11 +57,12 @@ class OldSignature(models.TowerModel):
         return self.logits(keras.layers.Flatten()(images))
 
 
-def recording(batches, record):
-    """Passes the stream through, keeping a numpy copy of every global micro-batch it yields."""
-    for images, labels, label_weights in batches:
-        record.append((np.asarray(images), np.asarray(labels)))
-        yield images, labels, label_weights
+def recorded(run, count, record):
+    """The next `count` global micro-batches of `run`'s stream (`host_batches`), fed to its step,
+    with a numpy copy of the images and labels of each appended to `record`."""
+    batches = list(itertools.islice(host_batches(run), count))
+    record.extend((np.asarray(images), np.asarray(labels)) for images, labels, _ in batches)
+    return fed(run.inner, batches)
 
 
 def ema(start, values, momentum=MOMENTUM):
@@ -83,7 +86,7 @@ def test_tower_mode_moves_the_statistics_once_per_tower_and_micro_step_in_tower_
     run = make_run(model="test_bn_probe", num_gpus=num_towers, accum=accum, batch_size=4,
                    optimizer="sgd", learning_rate=0.1)
     record = []
-    batches = recording(host_batches(run), record)
+    batches = recorded(run, accum * updates, record)
     for _ in range(updates):
         run.inner.run_update(batches)
     means = [s.mean(axis=(0, 1, 2)) for s in shards(record, num_towers)]
@@ -113,7 +116,7 @@ def test_mirrored_moving_statistics(sync_bn):
     run = make_run(mode="mirrored", model="test_bn_probe", num_gpus=num_replicas, accum=accum,
                    batch_size=4, optimizer="sgd", learning_rate=0.1, sync_bn=sync_bn)
     record = []
-    run.inner.run_update(recording(host_batches(run), record))
+    run.inner.run_update(recorded(run, accum, record))
     bn = run.state.model.bn
     copies = [np.asarray(c) for c in bn.moving_mean.value.values]
     variance_copies = [np.asarray(c) for c in bn.moving_variance.value.values]
@@ -193,7 +196,7 @@ def test_resnet20_in_tower_mode_applies_the_mean_of_per_shard_plain_steps():
                    learning_rate=rate, ema_decay=0.0)
     plain = resnet20_like(run.state.model)
     record = []
-    loss, got = applied_gradient(run, recording(host_batches(run), record), rate)
+    loss, got = applied_gradient(run, recorded(run, 1, record), rate)
     images, labels = record[0]
     per_shard = [plain_step(plain, x, y) for x, y in zip(np.split(images, 2), np.split(labels, 2))]
     want = [np.mean(g, axis=0) for g in zip(*(grads for _, grads in per_shard))]
@@ -210,7 +213,7 @@ def test_resnet20_mirrored_with_sync_bn_applies_a_plain_step_on_the_concatenated
                    optimizer="sgd", learning_rate=rate, ema_decay=0.0, sync_bn=True)
     plain = resnet20_like(run.state.model)
     record = []
-    loss, got = applied_gradient(run, recording(host_batches(run), record), rate)
+    loss, got = applied_gradient(run, recorded(run, 1, record), rate)
     images, labels = record[0]
     want_loss, want = plain_step(plain, images, labels)
     assert loss == pytest.approx(want_loss, rel=1e-5)
@@ -270,15 +273,15 @@ def test_a_refused_update_leaves_the_moving_statistics_as_they_were(mode):
     run = make_run(mode=mode, model="test_bn_probe", num_gpus=2, accum=2, batch_size=4,
                    optimizer="sgd", learning_rate=0.1)
     batches = host_batches(run)  # float images, which can hold a NaN
-    run.inner.run_update(batches)
+    run.inner.run_update(fed(run.inner, itertools.islice(batches, 2)))
     bn = run.state.model.bn
     before = stat(bn.moving_mean), stat(bn.moving_variance)
     images, labels, label_weights = next(batches)
     poisoned = np.asarray(images).copy()
     poisoned[0, 0, 0, 0] = np.nan
     good = next(batches)
-    assert not run.inner.run_update(iter([(tf.constant(poisoned), labels, label_weights), good])).applied
+    assert not run.inner.run_update(fed(run.inner, [(tf.constant(poisoned), labels, label_weights), good])).applied
     np.testing.assert_array_equal(stat(bn.moving_mean), before[0])
     np.testing.assert_array_equal(stat(bn.moving_variance), before[1])
-    assert run.inner.run_update(batches).applied  # and training goes on from there
+    assert run.inner.run_update(fed(run.inner, itertools.islice(batches, 2))).applied  # and training goes on
     assert np.isfinite(stat(bn.moving_mean)).all()

@@ -14,6 +14,7 @@ from tower_train.workers.cluster import WorkerInfo, parse_tf_config
 from tower_train.config import MODE_RULES, TrainConfig
 from tower_train.devices import canonical_device, plan_devices
 from tower_train.errors import UsageError
+from tower_train.step.device_feed import shard_specs
 from tower_train.step.modes import MODES, build_mode, fit_plan_to_mode, resolve_all_reduce
 from helpers import cross_tower_ops, make_run, read_until, weights
 from test_cli_errors import ROOT
@@ -108,8 +109,9 @@ def test_mirrored_micro_steps_that_do_not_update_run_no_all_reduce():
     run = make_run(mode="mirrored", num_gpus=3, accum=4, batch_size=4)
     spec = (tf.TensorSpec([12, 24, 24, 3], tf.float32), tf.TensorSpec([12], tf.int32),
             tf.TensorSpec([12], tf.float32))
-    accumulate = run.inner.accumulate.get_concrete_function(*spec).graph
-    finish = run.inner.finish.get_concrete_function(*spec).graph
+    shards = shard_specs(spec, (4, 4, 4))
+    accumulate = run.inner.accumulate.get_concrete_function(shards).graph
+    finish = run.inner.finish.get_concrete_function(shards).graph
     apply = run.inner.apply.get_concrete_function(tf.TensorSpec([], tf.float32)).graph
     num_variables = len(run.state.model.trainable_variables)
     assert cross_tower_ops(accumulate, run.mode.plan.tower_devices) == []

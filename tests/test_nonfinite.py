@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from helpers import host_batches, make_run, weights
+from helpers import fed, host_batches, make_run, weights
 from test_cli_errors import run_cli
 
 
@@ -24,14 +24,14 @@ def test_a_nan_in_one_tower_skips_the_whole_update_everywhere(mode, bad_micro_st
     before_weights, before_state = weights(run.state.model), optimizer_state(run)
 
     # (the loss may be finite: max-pooling can drop a NaN, its gradient cannot)
-    assert not run.inner.run_update(iter(poisoned)).applied
+    assert not run.inner.run_update(fed(run.inner, poisoned)).applied
     for got, want in zip(weights(run.state.model), before_weights):
         np.testing.assert_array_equal(got, want)
     for got, want in zip(optimizer_state(run), before_state):
         np.testing.assert_array_equal(got, want)
     # Nothing of the bad update lingers: the next good one equals a fresh run's first.
-    applied = run.inner.run_update(iter([first, second])).applied
-    reference.inner.run_update(iter([first, second]))
+    applied = run.inner.run_update(fed(run.inner, [first, second])).applied
+    reference.inner.run_update(fed(reference.inner, [first, second]))
     assert applied and run.state.step.numpy() == 1
     for got, want in zip(weights(run.state.model), weights(reference.state.model)):
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)

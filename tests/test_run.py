@@ -9,7 +9,7 @@ import tensorflow as tf
 from tower_train.data import catalog
 from tower_train.models import TowerModel, register
 from tower_train.training.run import Run
-from helpers import make_run, weights
+from helpers import fed, make_run, weights
 
 
 @register("test_run_normalized_probe")
@@ -38,7 +38,7 @@ def test_the_inner_step_is_built_after_a_restore_and_a_refused_update_goes_back_
     poisoned = np.asarray(images).copy()
     poisoned[0, 0, 0, 0] = np.nan
 
-    result = run.inner.run_update(iter([(tf.constant(poisoned), labels, label_weights), next(batches)]))
+    result = run.inner.run_update(fed(run.inner, [(tf.constant(poisoned), labels, label_weights), next(batches)]))
 
     assert not result.applied
     # An inner step built with the state would have kept the statistics of a fresh model (0).
@@ -65,7 +65,7 @@ def test_batches_start_at_the_position_the_state_holds():
     third = [next(fresh) for _ in range(3)][2]
 
     run.state.examples_seen.assign(2 * micro)
-    resumed = next(run.batches())
+    resumed = tf.nest.map_structure(lambda *shards: tf.concat(shards, 0), *next(run.batches()))
 
     for got, want in zip(tf.nest.flatten(resumed), tf.nest.flatten(third), strict=True):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

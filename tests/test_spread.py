@@ -15,7 +15,7 @@ from tower_train.devices import canonical_device
 from tower_train.step.inner_step import Decision
 from tower_train.step.spread import Slice, SpreadPlacement, SpreadState, slice_rows
 from tower_train.traffic import count_traffic
-from helpers import host_batches, make_run, weights
+from helpers import fed, host_batches, make_run, weights
 from test_train import checkpoint_values
 from test_traffic import batch_spec, size_in_bytes
 
@@ -218,7 +218,7 @@ def test_clip_norm_clips_the_whole_gradient_by_its_global_norm_over_the_devices(
 def test_a_refused_update_moves_no_slice_slot_or_average(poison, decision):
     run = make_run(num_gpus=2, accum=2, batch_size=4, ps_device="spread", optimizer="momentum", ema_decay=0.9)
     batches = host_batches(run)  # float images, which can hold a NaN
-    run.inner.run_update(batches)  # slots and averages away from their start
+    run.inner.run_update(fed(run.inner, [next(batches), next(batches)]))  # slots and averages away from their start
     spread = run.inner.layout.state
     before = [v.numpy() for v in spread.weights + spread.held_variables()]
 
@@ -229,7 +229,7 @@ def test_a_refused_update_moves_no_slice_slot_or_average(poison, decision):
         return tf.where(tf.range(tf.shape(features)[0])[:, None, None, None] == 0, math.nan, features), labels, \
             label_weights
 
-    result = run.inner.run_update(poisoned(next(batches)) for _ in range(2))
+    result = run.inner.run_update(fed(run.inner, [poisoned(next(batches)) for _ in range(2)]))
     assert result.decision == decision
     for got, want in zip([v.numpy() for v in spread.weights + spread.held_variables()], before, strict=True):
         np.testing.assert_array_equal(got, want)

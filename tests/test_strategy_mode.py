@@ -14,7 +14,7 @@ import tensorflow as tf
 from tower_train.step.inner_step import Decision
 from tower_train.step.strategy_mode import StrategyStep
 from tower_train.step.update_rule import LossScale, UpdateRule
-from helpers import DECAY, FEATURES, LR, TinyNet, micro_batches, plain_sgd_step, values
+from helpers import DECAY, FEATURES, LR, TinyNet, fed, micro_batches, plain_sgd_step, values
 
 REPLICAS = ("/cpu:1", "/cpu:2")
 # One strategy for the file: a step's variables are its own, and a strategy holds no state of a run.
@@ -23,9 +23,9 @@ STRATEGY = tf.distribute.MirroredStrategy(
 
 
 def make_step(accum=2, momentum=0.0, normalized=False,
-              loss_scale=False) -> tuple[StrategyStep, UpdateRule]:
-    """A StrategyStep over STRATEGY, and its rule: a built TinyNet, its optimizer
-    and counters created in the strategy's scope."""
+              loss_scale=False, shard_size=2) -> tuple[StrategyStep, UpdateRule]:
+    """A StrategyStep over STRATEGY taking `shard_size` examples per replica, and its rule: a
+    built TinyNet, its optimizer and counters created in the strategy's scope."""
     with STRATEGY.scope():
         model = TinyNet(normalized=normalized)
         model(np.zeros((1, FEATURES), np.float32))
@@ -34,7 +34,7 @@ def make_step(accum=2, momentum=0.0, normalized=False,
         step = tf.Variable(0, dtype=tf.int64, trainable=False)
         scale = LossScale() if loss_scale else None
     rule = UpdateRule(model, optimizer, step, loss_scale=scale)
-    return StrategyStep(strategy=STRATEGY, rule=rule, accum=accum), rule
+    return StrategyStep(strategy=STRATEGY, rule=rule, accum=accum, shard_size=shard_size), rule
 
 
 def replica_values(variables) -> list[list[np.ndarray]]:
@@ -58,15 +58,17 @@ def everything(rule: UpdateRule) -> list[list[np.ndarray]]:
 
 
 def test_one_update_of_two_micro_steps_is_one_plain_sgd_step_on_the_concatenated_batch():
-    step, rule = make_step()
+    step, rule = make_step(shard_size=3)
     batches = micro_batches((3, 3), 2)
     expected_loss, expected = plain_sgd_step(rule.model, batches)
     total_weight = sum(float(w.sum()) for _, _, w in batches)
-    stream = iter(batches + [None])  # an update that took a third micro-batch would fail here
+    stream = fed(step, batches + batches[:1])  # a third micro-batch, which the update must leave
 
     result = step.run_update(stream)
 
-    assert next(stream) is None
+    next(stream)
+    with pytest.raises(StopIteration):
+        next(stream)
     assert result.applied and result.total_weight == pytest.approx(total_weight, rel=1e-6)
     assert result.loss == pytest.approx(expected_loss, rel=1e-5)
     for per_replica, want in zip(replica_values(rule.model.trainable_variables), expected,
@@ -79,9 +81,9 @@ def test_one_update_of_two_micro_steps_is_one_plain_sgd_step_on_the_concatenated
 
 
 def test_accumulate_keeps_each_replicas_sums_on_the_replica():
-    step, rule = make_step()
+    step, rule = make_step(shard_size=3)
     batch = micro_batches((3, 3), 1, seed=1)[0]
-    step.accumulate(*batch)
+    step.accumulate(next(fed(step, [batch])))
     loss_sum, weight_sum = replica_values(step.variable_roles()["gradients"][-2:])
     x, y, w = batch
     with tf.device("/cpu:0"):
@@ -94,12 +96,12 @@ def test_accumulate_keeps_each_replicas_sums_on_the_replica():
 def test_an_update_of_total_weight_0_moves_nothing_on_any_replica():
     step, rule = make_step(momentum=0.9, normalized=True,
                            loss_scale=True)
-    assert step.run_update(iter(micro_batches((2, 2), 2, seed=2))).applied
+    assert step.run_update(fed(step, micro_batches((2, 2), 2, seed=2))).applied
     before = everything(rule)
     momentums = [v for v in rule.optimizer.variables if "momentum" in v.name]
     assert momentums and all(np.any(m) for m in values(momentums))  # slots away from 0
 
-    result = step.run_update(iter(micro_batches((2, 2), 2, seed=3, zero_weights=True)))
+    result = step.run_update(fed(step, micro_batches((2, 2), 2, seed=3, zero_weights=True)))
 
     assert result.decision == Decision.EMPTY
     # The loss of an empty update is the regularization alone.
@@ -109,7 +111,7 @@ def test_an_update_of_total_weight_0_moves_nothing_on_any_replica():
         for g, w in zip(got, want, strict=True):
             np.testing.assert_array_equal(g, w)
     assert_cleared(step)
-    assert step.run_update(iter(micro_batches((2, 2), 2, seed=4))).applied  # and it trains on
+    assert step.run_update(fed(step, micro_batches((2, 2), 2, seed=4))).applied  # and it trains on
 
 
 def test_a_non_finite_update_is_refused_and_halves_the_loss_scale():
@@ -119,7 +121,7 @@ def test_a_non_finite_update_is_refused_and_halves_the_loss_scale():
     batches[1][2][3] = 1.0
     before = everything(rule)[:-2]
 
-    result = step.run_update(iter(batches))
+    result = step.run_update(fed(step, batches))
 
     assert result.decision == Decision.NONFINITE
     for got, want in zip(everything(rule)[:-2], before, strict=True):
@@ -137,7 +139,7 @@ def test_an_update_whose_loss_is_not_finite_only_through_the_regularization_is_r
     kernel.assign(tf.tensor_scatter_nd_update(tf.convert_to_tensor(kernel), [[0, 0]], [1e20]))
     before = everything(rule)
 
-    result = step.run_update(iter(micro_batches((2, 2), 2, seed=6)))
+    result = step.run_update(fed(step, micro_batches((2, 2), 2, seed=6)))
 
     assert result.decision == Decision.NONFINITE and result.loss == np.inf
     for got, want in zip(everything(rule), before, strict=True):

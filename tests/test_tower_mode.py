@@ -15,7 +15,7 @@ from tower_train.devices import canonical_device
 from tower_train.step.inner_step import Decision
 from tower_train.step.tower_mode import OneDevice, TowerStep
 from tower_train.step.update_rule import LossScale, UpdateRule
-from helpers import DECAY, FEATURES, LR, TinyNet, micro_batches, plain_sgd_step, values
+from helpers import DECAY, FEATURES, LR, TinyNet, fed, micro_batches, plain_sgd_step, values
 
 PARAM_DEVICE = "/cpu:0"  # where helpers.plain_sgd_step computes
 TOWERS = ("/cpu:1", "/cpu:2")
@@ -66,7 +66,7 @@ def test_one_update_of_two_micro_steps_is_one_plain_sgd_step_on_the_concatenated
     expected_loss, expected = plain_sgd_step(rule.model, batches)
     total_weight = sum(float(w.sum()) for _, _, w in batches)
 
-    result = step.run_update(iter(batches))
+    result = step.run_update(fed(step, batches))
 
     assert result.applied and result.total_weight == pytest.approx(total_weight, rel=1e-6)
     assert result.loss == pytest.approx(expected_loss, rel=1e-5)
@@ -92,14 +92,14 @@ def test_accumulate_adds_each_towers_sums_on_its_device_and_update_clears_them()
         assert {canonical_device(v.device) for v in [*grads, loss, weight]} == {canonical_device(device)}
 
     step.refresh_weights()
-    step.accumulate(*first)
+    step.accumulate(next(fed(step, [first])))
     for i, (loss_sum, weight_sum, grads) in enumerate(shard_sums(rule.model, first, shard_sizes)):
         assert float(loss_sums[i].numpy()) == pytest.approx(loss_sum, rel=1e-6)
         assert float(weight_sums[i].numpy()) == pytest.approx(weight_sum, rel=1e-6)
         for got, want in zip(values(grad_sums[i]), grads, strict=True):
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
 
-    assert Decision(int(step.update(*last)[2])) == Decision.APPLIED
+    assert Decision(int(step.update(next(fed(step, [last])))[2])) == Decision.APPLIED
     assert all(not np.any(a) for a in accumulators(step))
 
 
@@ -109,7 +109,7 @@ def test_an_update_of_total_weight_0_moves_no_weight_slot_counter_or_statistic()
                      loss_scale=True)
     step = TowerStep(rule=rule, tower_devices=TOWERS, placement=OneDevice(PARAM_DEVICE),
                      accum=2, shard_sizes=shard_sizes)
-    assert step.run_update(iter(micro_batches(shard_sizes, 2, seed=2))).applied
+    assert step.run_update(fed(step, micro_batches(shard_sizes, 2, seed=2))).applied
     everything = lambda: values([*rule.model.variables, *rule.optimizer.variables, rule.step,
                                  rule.loss_scale.value, rule.loss_scale.good_updates])
     before = everything()
@@ -117,7 +117,7 @@ def test_an_update_of_total_weight_0_moves_no_weight_slot_counter_or_statistic()
     assert momentums and all(np.any(m) for m in values(momentums))  # slots away from 0
     statistics = values(rule.model.norm.non_trainable_weights)
 
-    result = step.run_update(iter(micro_batches(shard_sizes, 2, seed=3, zero_weights=True)))
+    result = step.run_update(fed(step, micro_batches(shard_sizes, 2, seed=3, zero_weights=True)))
 
     assert result.decision == Decision.EMPTY
     # The loss of an empty update is the regularization alone.
@@ -128,7 +128,7 @@ def test_an_update_of_total_weight_0_moves_no_weight_slot_counter_or_statistic()
     for got, want in zip(values(rule.model.norm.non_trainable_weights), statistics, strict=True):
         np.testing.assert_array_equal(got, want)  # moved by the towers' passes, then put back
     assert all(not np.any(a) for a in accumulators(step))
-    assert step.run_update(iter(micro_batches(shard_sizes, 2, seed=4))).applied  # and it trains on
+    assert step.run_update(fed(step, micro_batches(shard_sizes, 2, seed=4))).applied  # and it trains on
 
 
 def test_a_non_finite_update_is_refused_and_halves_the_loss_scale():
@@ -141,7 +141,7 @@ def test_a_non_finite_update_is_refused_and_halves_the_loss_scale():
     batches[0][2][3] = 1.0
     before = values([*rule.model.variables, *rule.optimizer.variables, rule.step])
 
-    result = step.run_update(iter(batches))
+    result = step.run_update(fed(step, batches))
 
     assert result.decision == Decision.NONFINITE
     for got, want in zip(values([*rule.model.variables, *rule.optimizer.variables, rule.step]),
@@ -161,7 +161,7 @@ def test_an_update_whose_loss_is_not_finite_only_through_the_regularization_is_r
     kernel.assign(tf.tensor_scatter_nd_update(tf.convert_to_tensor(kernel), [[0, 0]], [1e20]))
     before = values([*rule.model.variables, *rule.optimizer.variables, rule.step])
 
-    result = step.run_update(iter(micro_batches((2, 2), 2, seed=6)))
+    result = step.run_update(fed(step, micro_batches((2, 2), 2, seed=6)))
 
     assert result.decision == Decision.NONFINITE and result.loss == np.inf
     for got, want in zip(values([*rule.model.variables, *rule.optimizer.variables, rule.step]),
@@ -218,7 +218,7 @@ def test_bf16_transfer_rounds_each_remote_towers_gradient_sum_once_and_nothing_e
         mean[0] = mean[0] + DECAY * before[0]  # the hidden kernel's weight decay
         return [w - LR * g for w, g in zip(before, mean, strict=True)]
 
-    assert step.run_update(iter(batches)).applied
+    assert step.run_update(fed(step, batches)).applied
 
     got = values(rule.model.trainable_variables)
     for g, w in zip(got, sgd(rounded), strict=True):

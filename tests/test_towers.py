@@ -6,8 +6,9 @@ import tensorflow as tf
 
 from tower_train.data.source import RawInput
 from tower_train.devices import canonical_device
+from tower_train.step.device_feed import shard_specs
 from tower_train.step.towers import combine_gradients
-from helpers import cross_tower_ops, make_run, weights
+from helpers import cross_tower_ops, fed, make_run, weights
 
 LR = 0.1
 
@@ -50,8 +51,8 @@ def test_towers_and_accumulation_equal_one_plain_step_on_the_concatenated_batch(
 
     micro = batch * num_gpus
     ones = np.ones(g, np.float32)
-    batches = iter([(images[i:i + micro], labels[i:i + micro], ones[i:i + micro])
-                    for i in range(0, g, micro)])
+    batches = fed(run.inner, [(images[i:i + micro], labels[i:i + micro], ones[i:i + micro])
+                              for i in range(0, g, micro)])
     result = run.inner.run_update(batches)
     assert result.applied and result.total_weight == g
 
@@ -70,7 +71,8 @@ def test_towers_preprocessing_their_raw_shards_equal_one_plain_step_on_the_host_
                    learning_rate=LR, augment=True)
     stream = run.batches()
     raw = [next(stream) for _ in range(accum)]
-    assert isinstance(raw[0][0], RawInput) and raw[0][0].features.dtype == tf.uint8
+    first_shard_features = raw[0][0][0]
+    assert isinstance(first_shard_features, RawInput) and first_shard_features.features.dtype == tf.uint8
     host = iter(run.source.train_stream(seed=run.config.seed, start_position=0, micro_batch=batch * towers))
     images, labels, _ = (np.concatenate(part) for part in zip(*(next(host) for _ in range(accum))))
     assert images.dtype == np.float32 and images.shape == (batch * towers * accum, 24, 24, 3)
@@ -134,8 +136,9 @@ def test_micro_steps_that_do_not_update_move_no_gradient_across_devices():
     run = make_run(num_gpus=3, accum=4, batch_size=4)
     spec = (tf.TensorSpec([12, 24, 24, 3], tf.float32), tf.TensorSpec([12], tf.int32),
             tf.TensorSpec([12], tf.float32))
-    accumulate = run.inner.accumulate.get_concrete_function(*spec).graph
-    update = run.inner.update.get_concrete_function(*spec).graph
+    shards = shard_specs(spec, (4, 4, 4))
+    accumulate = run.inner.accumulate.get_concrete_function(shards).graph
+    update = run.inner.update.get_concrete_function(shards).graph
     param = canonical_device(run.mode.plan.param_device)
 
     assert cross_tower_ops(accumulate, run.mode.plan.tower_devices) == []

@@ -53,9 +53,13 @@ def test_device_strings_are_normalized():
 
 def test_the_towers_receive_raw_uint8_images_and_their_seeds_not_float32_model_input():
     run = make_run(model="test_traffic_probe", num_gpus=TOWERS, accum=2, batch_size=BATCH, augment=True)
-    spec = run.batches().element_spec  # what training reads
-    assert spec[0].features.dtype == tf.uint8
-    traffic = count_traffic(run.inner.traced_update(spec), run.inner.variable_roles(), run.mode.plan.param_device)
+    shards = next(run.batches())  # what training reads: each tower's shard, already on its device
+    assert [device_name(features.features.device) for features, _, _ in shards] == \
+        [device_name(d) for d in run.mode.plan.tower_devices]
+    assert all(features.features.dtype == tf.uint8 for features, _, _ in shards)
+    stream = run.source.train_stream(seed=0, start_position=0, micro_batch=BATCH * TOWERS, preprocessed=False)
+    traffic = count_traffic(run.inner.traced_update(stream.element_spec), run.inner.variable_roles(),
+                            run.mode.plan.param_device)
     # Each micro-step, every example's uint8 [32, 32, 3] image and int64 seed pair, int32 label and
     # float32 weight reach its tower, which distorts it there: no float32 [24, 24, 3] image crosses.
     assert traffic.copied["input"] == 2 * TOWERS * BATCH * (32 * 32 * 3 + 2 * 8 + 4 + 4)
@@ -128,8 +132,9 @@ def test_the_counts_are_what_the_runtime_sends():
     one tensor moved; its bytes come from the traced op of the same name."""
     run = make_run(model="test_traffic_probe", num_gpus=TOWERS, accum=2, batch_size=BATCH,
                    tower_weights="per_update", ema_decay=0.0)
-    stream = run.batches()
+    stream = run.source.train_stream(seed=0, start_position=0, micro_batch=BATCH * TOWERS, preprocessed=False)
     runs = run.inner.traced_update(stream.element_spec)  # traced, not yet run
+    stream = run.inner.feed(stream)
     context.context().enable_run_metadata()  # before the first call: partitioning is recorded then
     try:
         run.inner.run_update(stream)
@@ -150,7 +155,9 @@ def test_the_counts_are_what_the_runtime_sends():
                 continue
             op = graph.get_operation_by_name(name)
             (tensor,) = [t for t in op.outputs if t.dtype.as_datatype_enum == node.attr["T"].type][:1]
-            if source == param and op.type != "SplitV":  # not the shards: the batch arrives on the host
+            # Not the shards, which the feed puts on the towers; the runtime still hands int32 labels
+            # from the host, where TensorFlow keeps int32 arguments.
+            if source == param and op.type != "Placeholder":
                 sent["from the parameter device"] += tensor.shape.num_elements() * tensor.dtype.size
             elif target == param:
                 sent["to the parameter device"] += tensor.shape.num_elements() * tensor.dtype.size

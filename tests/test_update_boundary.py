@@ -7,7 +7,7 @@ import pytest
 import tensorflow as tf
 
 from tower_train.step.schedules import UpdateSchedule, scaled_rate, updates_per_decay
-from helpers import make_run, weights, unit_weighted
+from helpers import fed, make_run, weights, unit_weighted
 
 BATCH, TOWERS, ACCUM = 4, 2, 3
 G = BATCH * TOWERS * ACCUM
@@ -72,7 +72,8 @@ def test_rate_clipping_average_and_step_advance_once_per_update(mode):
     images = rng.normal(size=(updates * G, 24, 24, 3)).astype(np.float32)
     labels = rng.integers(0, 10, size=updates * G).astype(np.int32)
     micro = BATCH * TOWERS
-    batches = iter([unit_weighted(images[i:i + micro], labels[i:i + micro]) for i in range(0, len(labels), micro)])
+    batches = fed(run.inner, [unit_weighted(images[i:i + micro], labels[i:i + micro])
+                              for i in range(0, len(labels), micro)])
     rates = []
     for _ in range(updates):
         rates.append(float(run.state.optimizer.learning_rate))
@@ -106,7 +107,7 @@ def test_clipping_acts_on_the_whole_update_not_on_a_share():
     steps = []
     for r in (run, unclipped):
         before = weights(r.state.model)
-        r.inner.run_update(iter([unit_weighted(images[i:i + micro], labels[i:i + micro]) for i in range(0, G, micro)]))
+        r.inner.run_update(fed(r.inner, [unit_weighted(images[i:i + micro], labels[i:i + micro]) for i in range(0, G, micro)]))
         steps.append([b - a for a, b in zip(weights(r.state.model), before)])
     clipped_norm = math.sqrt(sum(float(np.sum(d ** 2)) for d in steps[0]))
     full_norm = math.sqrt(sum(float(np.sum(d ** 2)) for d in steps[1]))
@@ -134,7 +135,8 @@ def test_weight_decay_counts_once_per_update_whatever_n_and_k(mode):
             labels, model(images, training=True)))
     data_grads = dict(zip(("local3", "local4"), tape.gradient(
         data_loss, [model.local3.kernel, model.local4.kernel])))
-    run.inner.run_update(iter([unit_weighted(images[i:i + micro], labels[i:i + micro]) for i in range(0, G, micro)]))
+    run.inner.run_update(fed(run.inner, [unit_weighted(images[i:i + micro], labels[i:i + micro])
+                                         for i in range(0, G, micro)]))
     for name in ("local3", "local4"):
         after = np.asarray(tf.convert_to_tensor(getattr(model, name).kernel))
         regularization_step = (before[name] - after) - data_grads[name].numpy()

@@ -164,7 +164,7 @@ def test_an_update_whose_weights_are_all_zero_is_refused_and_changes_nothing(mod
     run = make_run(model=Tagger, source=source, mode=mode, num_gpus=2, accum=2, batch_size=4,
                    optimizer="momentum", learning_rate=LR)
     stream = run.batches()
-    empty = [(x, y, tf.zeros_like(w)) for x, y, w in (next(stream), next(stream))]
+    empty = [[(x, y, tf.zeros_like(w)) for x, y, w in shards] for shards in (next(stream), next(stream))]
     before = weights(run.state.model)
     result = run.inner.run_update(iter(empty))
     assert result.decision == Decision.EMPTY and result.total_weight == 0

@@ -115,14 +115,16 @@ def build_workload(bench: BenchConfig, config: TrainConfig, plan: DevicePlan,
 
     return Workload(run, micro * bench.accum, source.label_spec.shape.num_elements(),
                     None if inner is None else traffic, None if inner is None else state_bytes,
-                    None if bench.input == "memory" else _input_reader(dataset, bench.accum),
+                    None if bench.input == "memory" else _input_reader(
+                        (lambda: iter(dataset)) if inner is None else (lambda: inner.feed(dataset)), bench.accum),
                     lambda: compute_devices(traced(), default_device))
 
 
-def _input_reader(dataset, accum: int) -> Callable[[int], float]:
-    """`read(n)`: the seconds that reading n updates' micro-batches from a second iterator of
-    `dataset` takes, with no training beside it: inside TensorFlow, one compiled loop of
-    `get_next`, as training's steps take them, not one Python call per micro-batch."""
+def _input_reader(make_iterator: Callable[[], object], accum: int) -> Callable[[int], float]:
+    """`read(n)`: the seconds that reading n updates' micro-batches from a second iterator of the
+    stream takes, with no training beside it: the iterator `make_iterator()` gives (a mode's
+    `feed`, which prefetches each shard to its device, as training takes them), inside
+    TensorFlow, one compiled loop of `get_next`, not one Python call per micro-batch."""
     import tensorflow as tf
 
     from tower_train.devices import HOST_DEVICE
@@ -131,14 +133,16 @@ def _input_reader(dataset, accum: int) -> Callable[[int], float]:
 
     @tf.function
     def consume(iterator, micro_batches: tf.Tensor) -> None:
-        with tf.device(HOST_DEVICE):  # else, on a GPU machine, each batch would be copied to GPU 0
+        # A feed places each shard itself; a dataset's iterator would otherwise copy every batch
+        # to GPU 0 on a GPU machine.
+        with tf.device(HOST_DEVICE):
             for _ in tf.range(micro_batches):
                 iterator.get_next()
 
     def read(updates: int) -> float:
         nonlocal batches
         start = time.perf_counter()
-        batches = batches or iter(dataset)  # made on first use: its prefetching would compete
+        batches = batches or make_iterator()  # made on first use: its prefetching would compete
         consume(batches, tf.constant(updates * accum))
         return time.perf_counter() - start
 
@@ -224,7 +228,7 @@ def slow_first_tower(model, ms_per_example: float) -> None:
 
 def _updates(inner, dataset) -> Callable[[int], float]:
     """`run(n)`: the seconds n updates of a mode's inner step take on `dataset`."""
-    batches = iter(dataset)
+    batches = inner.feed(dataset)
 
     def run(updates: int) -> float:
         start = time.perf_counter()

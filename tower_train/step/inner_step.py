@@ -12,6 +12,9 @@ import tensorflow as tf
 # the features as the model takes them, or raw as the training stream gives them (`data.RawInput`).
 Batch = tuple[tf.Tensor, tf.Tensor, tf.Tensor]
 BatchSpec = tuple[tf.TensorSpec, tf.TensorSpec, tf.TensorSpec]
+# One global micro-batch as consecutive shards, one per device of the step, each on its device
+# (`device_feed.feed_devices`).
+Shards = list[Batch]
 
 
 class Decision(enum.IntEnum):
@@ -50,8 +53,13 @@ class UpdateResult:
 class InnerStep(Protocol):
     """Applies one update of K micro-steps: what a mode computes, apart from the outer loop."""
 
-    def run_update(self, batches: Iterator[Batch]) -> UpdateResult:
-        """Takes K global micro-batches from `batches` and applies one update, or refuses it."""
+    def feed(self, dataset: tf.data.Dataset) -> Iterator[Shards]:
+        """The global micro-batches of `dataset` (on the host) as `run_update` takes them: cut
+        into this process's towers' or replicas' shards, each prefetched to its device."""
+
+    def run_update(self, batches: Iterator[Shards]) -> UpdateResult:
+        """Takes K global micro-batches (`feed`'s) from `batches` and applies one update, or
+        refuses it."""
 
     def traced_update(self, spec: BatchSpec) -> list[tuple[object, int]]:
         """The concrete functions one update runs on global micro-batches of `spec` (traced now

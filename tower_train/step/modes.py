@@ -164,7 +164,7 @@ class _StrategyMode(Mode):
 
         config = self.config
         return StrategyStep(strategy=self.strategy, rule=state.update_rule(config.clip_norm),
-                            accum=config.accum,
+                            accum=config.accum, shard_size=config.batch_size,
                             first_replica=self.worker.index * len(self.plan.tower_devices),
                             jit_compile=config.jit_compile, prepare=prepare)
 

@@ -49,9 +49,10 @@ from typing import Iterator, Mapping, Sequence
 import tensorflow as tf
 
 from tower_train.data.source import Preprocess
-from tower_train.step.inner_step import Batch, BatchSpec, UpdateResult
-from tower_train.step.towers import (labels_per_shard, pass_seeds, regularization_gradients, split_batch,
-                                     seed_generator_states, tower_function)
+from tower_train.step.device_feed import feed_devices, shard_specs
+from tower_train.step.inner_step import Batch, BatchSpec, Shards, UpdateResult
+from tower_train.step.towers import (labels_per_shard, pass_seeds, regularization_gradients, seed_generator_states,
+                                     tower_function)
 from tower_train.step.update_rule import TrainingStatistics, UpdateRule
 from tower_train.step.update_sums import UpdateSums
 
@@ -60,8 +61,9 @@ class StrategyStep:
     """The inner step of the strategy modes for one model, optimizer and strategy.
 
     Each call takes this worker's global micro-batch of `local_replicas x b`
-    examples, which it splits into consecutive shards, one per local replica,
-    in replica order: the same assignment of examples as tower mode's.
+    examples (b = `shard_size`) as consecutive shards, one per local replica, in
+    replica order, each on its replica's device (`feed`): the same assignment of
+    examples as tower mode's.
     """
 
     def __init__(
@@ -70,6 +72,7 @@ class StrategyStep:
         strategy: tf.distribute.Strategy,
         rule: UpdateRule,
         accum: int,
+        shard_size: int,
         first_replica: int = 0,
         jit_compile: bool = False,
         prepare: Preprocess | None = None,
@@ -81,6 +84,7 @@ class StrategyStep:
         self._accum = accum
         self._first_replica = first_replica  # global id of this worker's first replica
         self._local_replicas = len(strategy.extended.worker_devices)
+        self._shard_sizes = [shard_size] * self._local_replicas  # of this worker's micro-batch
         # b / G: a replica's share of the update's examples (every replica takes equal shards).
         self._replica_share = 1.0 / (strategy.num_replicas_in_sync * accum)
         # CentralStorageStrategy has no replica-local variables: its accumulators are one sum over
@@ -103,23 +107,32 @@ class StrategyStep:
         self.apply = tf.function(self._apply)
         self.discard = tf.function(self._discard)
 
-    def run_update(self, batches: Iterator[Batch]) -> UpdateResult:
-        """Takes K micro-batches from `batches` and applies one update, or refuses it when the
-        total weight is 0 or a non-finite value on any replica would reach the weights."""
+    def feed(self, dataset: tf.data.Dataset) -> Iterator[Shards]:
+        """`dataset`'s global micro-batches, each of this worker's replicas' shards prefetched to
+        the replica's device from this worker's host."""
+        devices = self._strategy.extended.worker_devices
+        host = tf.DeviceSpec.from_string(devices[0]).replace(device_type="CPU", device_index=0).to_string()
+        return feed_devices(dataset, devices, self._shard_sizes, host)
+
+    def run_update(self, batches: Iterator[Shards]) -> UpdateResult:
+        """Takes K micro-batches (`feed`'s) from `batches` and applies one update, or refuses it
+        when the total weight is 0 or a non-finite value on any replica would reach the weights."""
         for _ in range(self._accum - 1):
-            self.accumulate(*next(batches))
-        features, labels, weights = next(batches)
-        result = UpdateResult.of(*self.finish(features, labels, weights))
+            self.accumulate(next(batches))
+        shards = next(batches)
+        result = UpdateResult.of(*self.finish(shards))
         if result.applied:
-            count = labels_per_shard(weights.shape, [weights.shape[0] // self._local_replicas])[0]
+            weights = shards[0][2]  # one per label
+            count = labels_per_shard(weights.shape, [weights.shape[0]])[0]
             self.apply(tf.constant(count / result.total_weight, tf.float32))
         else:
             self.discard(tf.constant(int(result.decision)))
         return result
 
     def traced_update(self, spec: BatchSpec) -> list[tuple[object, int]]:
-        runs = [(self.accumulate.get_concrete_function(*spec), self._accum - 1)] if self._accum > 1 else []
-        return runs + [(self.finish.get_concrete_function(*spec), 1),
+        shards = shard_specs(spec, self._shard_sizes)
+        runs = [(self.accumulate.get_concrete_function(shards), self._accum - 1)] if self._accum > 1 else []
+        return runs + [(self.finish.get_concrete_function(shards), 1),
                        (self.apply.get_concrete_function(tf.TensorSpec([], tf.float32)), 1)]
 
     def variable_roles(self) -> Mapping[str, Sequence]:
@@ -137,17 +150,14 @@ class StrategyStep:
     def held_finite(self) -> bool:
         return True
 
-    def _per_replica(self, batch: Batch) -> tf.distribute.DistributedValues:
-        replicas = self._local_replicas
-        shards = split_batch(batch, [batch[2].shape[0] // replicas] * replicas)  # by the weights
-
+    def _per_replica(self, shards: Shards) -> tf.distribute.DistributedValues:
         def shard(context: tf.distribute.DistributedContext) -> Batch:
             return shards[context.replica_id_in_sync_group - self._first_replica]
 
         return self._strategy.experimental_distribute_values_from_function(shard)
 
-    def _accumulate(self, features: tf.Tensor, labels: tf.Tensor, weights: tf.Tensor) -> None:
-        self._strategy.run(self._accumulate_replica, args=(self._per_replica((features, labels, weights)),))
+    def _accumulate(self, shards: Shards) -> None:
+        self._strategy.run(self._accumulate_replica, args=(self._per_replica(shards),))
 
     def _accumulate_replica(self, shard: Batch) -> tf.Tensor:
         if self._generator_states is not None:
@@ -159,13 +169,12 @@ class StrategyStep:
         self._sums.add(self._tower(*shard))
         return tf.identity(self._sums.loss.read_value())
 
-    def _finish(self, features: tf.Tensor, labels: tf.Tensor,
-                weights: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
+    def _finish(self, shards: Shards) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
         """The last micro-step; returns (the update's weighted mean loss plus the regularization
         of the weights it started from, its total weight, its `Decision`), from [sum(w * loss),
         sum(w), non-finite values] and, for a model that adds losses of the batch, their mean over
         the update's examples, summed over every replica of every worker."""
-        self._strategy.run(self._accumulate_replica, args=(self._per_replica((features, labels, weights)),))
+        self._strategy.run(self._accumulate_replica, args=(self._per_replica(shards),))
         scalars = self._strategy.run(self._replica_scalars)
         # Under CentralStorageStrategy the sums are already shared: each replica holds 1/N of them.
         share = tf.constant([self._accumulated_share, self._accumulated_share, 1.0]

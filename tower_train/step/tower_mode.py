@@ -70,11 +70,12 @@ from typing import Callable, ContextManager, Iterator, Mapping, Protocol, Sequen
 import tensorflow as tf
 
 from tower_train.data.source import Preprocess
-from tower_train.devices import Placement, canonical_device
-from tower_train.step.inner_step import Batch, BatchSpec, Decision, UpdateResult
+from tower_train.devices import HOST_DEVICE, Placement, canonical_device
+from tower_train.step.device_feed import feed_devices, shard_specs
+from tower_train.step.inner_step import BatchSpec, Decision, Shards, UpdateResult
 from tower_train.step.towers import (TowerResult, combine_gradients, compiled_tower_function, labels_per_shard,
                                      pass_seeds, read_in_compute_dtype, regularization_gradients, run_on_towers,
-                                     seed_generator_states, split_batch, tower_function)
+                                     seed_generator_states, tower_function)
 from tower_train.step.update_rule import TrainingStatistics, UpdateRule, tensors_finite
 from tower_train.step.update_sums import UpdateSums
 
@@ -308,14 +309,18 @@ class TowerStep:
         """Whether some tower reads its own copy of the weights (refreshed once per update)."""
         return any(copies is not None for copies in self.layout.copies)
 
-    def run_update(self, batches: Iterator[Batch]) -> UpdateResult:
-        """Takes K global micro-batches from `batches` and applies one update."""
+    def feed(self, dataset: tf.data.Dataset) -> Iterator[Shards]:
+        """`dataset`'s global micro-batches, each tower's shard prefetched to its device."""
+        return feed_devices(dataset, self._devices, self._shard_sizes, HOST_DEVICE)
+
+    def run_update(self, batches: Iterator[Shards]) -> UpdateResult:
+        """Takes K global micro-batches (`feed`'s) from `batches` and applies one update."""
         self.layout.before_update()
         if self.copies_weights:
             self.refresh_weights()
         for _ in range(self._accum - 1):
-            self.accumulate(*next(batches))
-        result = UpdateResult.of(*self.update(*next(batches)))
+            self.accumulate(next(batches))
+        result = UpdateResult.of(*self.update(next(batches)))
         self.layout.after_update(result.applied)
         return result
 
@@ -329,10 +334,11 @@ class TowerStep:
         return self.layout.held_finite()
 
     def traced_update(self, spec: BatchSpec) -> list[tuple[object, int]]:
+        shards = shard_specs(spec, self._shard_sizes)
         runs = [(self.refresh_weights.get_concrete_function(), 1)] if self.copies_weights else []
         if self._accum > 1:
-            runs.append((self.accumulate.get_concrete_function(*spec), self._accum - 1))
-        return runs + [(self.update.get_concrete_function(*spec), 1)]
+            runs.append((self.accumulate.get_concrete_function(shards), self._accum - 1))
+        return runs + [(self.update.get_concrete_function(shards), 1)]
 
     def variable_roles(self) -> Mapping[str, Sequence]:
         model = self._rule.model
@@ -346,9 +352,8 @@ class TowerStep:
     def _refresh_weights(self) -> None:
         self.layout.refresh_weights()
 
-    def _towers(self, batch: Batch) -> list:
-        shards = [(*shard, weights) for shard, weights in
-                  zip(split_batch(batch, self._shard_sizes), self.layout.tower_weights(), strict=True)]
+    def _towers(self, shards: Shards) -> list:
+        shards = [(*shard, weights) for shard, weights in zip(shards, self.layout.tower_weights(), strict=True)]
         if self._generator_states is not None:
             with tf.device(self.layout.host):
                 update, micro_step = self._rule.step.read_value(), self._micro_step.read_value()
@@ -357,23 +362,20 @@ class TowerStep:
                 self._micro_step.assign_add(1)
         return run_on_towers(self._tower, self._devices, shards)
 
-    def _accumulate(self, features: tf.Tensor, labels: tf.Tensor, weights: tf.Tensor) -> None:
-        """A micro-step that does not update: a global micro-batch [N*b, ...] -> nothing."""
-        for device, sums, result in zip(self._devices, self._sums, self._towers((features, labels, weights)),
-                                        strict=True):
+    def _accumulate(self, shards: Shards) -> None:
+        """A micro-step that does not update: N shards, [b_i, ...] each on tower i -> nothing."""
+        for device, sums, result in zip(self._devices, self._sums, self._towers(shards), strict=True):
             with tf.device(device):
                 sums.add(result)
 
-    def _update(self, features: tf.Tensor, labels: tf.Tensor,
-                weights: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
+    def _update(self, shards: Shards) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
         """The last micro-step of an update; returns (the update's weighted mean loss, its total
         weight, its `Decision`)."""
         results = []
-        for i, (device, result) in enumerate(zip(self._devices, self._towers((features, labels, weights)),
-                                                 strict=True)):
+        for i, (device, result) in enumerate(zip(self._devices, self._towers(shards), strict=True)):
             with tf.device(device):  # the update's earlier micro-steps too (none at K = 1)
                 results.append(self._sums[i].plus(result) if self._sums else result)
-        counts = labels_per_shard(weights.shape, self._shard_sizes)
+        counts = labels_per_shard(shards[0][2].shape, self._shard_sizes)  # by the weights, one per label
         with tf.device(self.layout.host):
             total_weight = tf.add_n([result.weight_sum for result in results])
             safe_weight = tf.where(total_weight > 0, total_weight, 1.0)  # W = 0 is refused below

@@ -17,7 +17,7 @@ import tensorflow as tf
 from tower_train.config import TrainConfig
 from tower_train.data.source import Source
 from tower_train.errors import UsageError
-from tower_train.step.inner_step import Batch, InnerStep
+from tower_train.step.inner_step import InnerStep, Shards
 from tower_train.model_spec import ModelSpec, build_model
 from tower_train.models import TowerModel
 from tower_train.step.modes import Mode
@@ -145,12 +145,13 @@ class Run:
         a copy of the statistics as they are when it is built (`TrainingStatistics`)."""
         return self.mode.inner_step(self.state, self.source.model_input)
 
-    def batches(self) -> Iterator[Batch]:
+    def batches(self) -> Iterator[Shards]:
         """The training stream from the state's position in it (`examples_seen`): this worker's
-        shard, in global micro-batches of this process's towers, raw (`data.RawInput`): the
-        towers preprocess their shards on their own devices."""
+        shard, in global micro-batches of this process's towers, raw (`data.RawInput`), each
+        tower's shard prefetched to its device (`InnerStep.feed`): the towers preprocess their
+        shards there."""
         worker = self.mode.worker
-        return iter(self.source.train_stream(
+        return self.inner.feed(self.source.train_stream(
             seed=self.config.seed, start_position=int(self.state.examples_seen.numpy()),
             micro_batch=self.config.batch_size * len(self.mode.plan.tower_devices),
             shard_index=worker.index, num_shards=worker.count, preprocessed=False))
