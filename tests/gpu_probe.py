@@ -3,6 +3,9 @@ test process itself hides its GPUs: tests/conftest.py). Prints one JSON line.
 
     python tests/gpu_probe.py xla    # tower mode with --jit_compile against without, on 2 logical GPUs
     python tests/gpu_probe.py tf32   # the first gradient on /gpu:0 against /cpu:0, TF32 on and off
+    python tests/gpu_probe.py cpu_float32  # needs no GPU: the same gradient from two CPU float32
+                                           # implementations (oneDNN's and Eigen's convolutions),
+                                           # and after one-ulp changes of the weights
 """
 import dataclasses
 import json
@@ -50,10 +53,9 @@ def xla() -> dict:
     return {"towers": list(plan.tower_devices), "relative_error": errors}
 
 
-def tf32() -> dict:
-    """The gradient of one batch of 64 on /gpu:0 against the same on /cpu:0, from the same weights,
-    with TF32 on and off (and off under op determinism, whose cuDNN algorithms differ): for
-    cifar10_cnn (convolutions, LRN, matmuls) and for a dense network (matmuls alone)."""
+def probe_batch_and_models():
+    """One batch of 64 of the default data set, and cifar10_cnn and a dense network built on the
+    host from seed 0."""
     import keras
     import tensorflow as tf
 
@@ -61,8 +63,6 @@ def tf32() -> dict:
     from tower_train.config import TrainConfig
     from tower_train.model_spec import build_model, resolve_model
     from tower_train.models import TowerModel
-    from tower_train.numerics import run_numerics
-    from tower_train.step.towers import tower_loss_and_gradients
 
     class Dense(TowerModel):
         def __init__(self, num_classes: int, **kwargs):
@@ -76,27 +76,88 @@ def tf32() -> dict:
 
     config = TrainConfig(train_dir="/unused")
     source = catalog.load_source(config.dataset, None, config.augment)
+    keras.utils.set_random_seed(0)  # the same weights in every process
     with tf.device("/cpu:0"):
         features, labels, weights = next(iter(source.train_stream(seed=0, start_position=0, micro_batch=64)))
         cnn = build_model(resolve_model(None, config, None, source.num_classes), source, config)
         dense = Dense(source.num_classes)
         dense(features[:1])
+    return (features, labels, weights), {"cnn": cnn, "dense": dense}
 
-    def gradient(model, device: str, tf32_on: bool, deterministic: bool = False) -> list:
-        values = [tf.convert_to_tensor(v) for v in model.trainable_variables]
-        with run_numerics(deterministic=deterministic, tf32=tf32_on), tf.device(device):
-            copies = [tf.identity(v) for v in values]
-            result = tower_loss_and_gradients(model, tf.identity(features), labels, weights, weight_copies=copies)
-            return [g.numpy() for g in result.gradients]
 
+def gradient(model, batch, device: str, tf32_on: bool = False, deterministic: bool = False,
+             values=None) -> list:
+    """The first gradient of `model` on `batch` on `device`, from `values` (default: its weights)."""
+    import tensorflow as tf
+
+    from tower_train.numerics import run_numerics
+    from tower_train.step.towers import tower_loss_and_gradients
+
+    features, labels, weights = batch
+    values = [tf.convert_to_tensor(v) for v in (values or model.trainable_variables)]
+    with run_numerics(deterministic=deterministic, tf32=tf32_on), tf.device(device):
+        copies = [tf.identity(v) for v in values]
+        result = tower_loss_and_gradients(model, tf.identity(features), labels, weights, weight_copies=copies)
+        return [g.numpy() for g in result.gradients]
+
+
+def tf32() -> dict:
+    """The gradient of one batch of 64 on /gpu:0 against the same on /cpu:0, from the same weights,
+    with TF32 on and off (and off under op determinism, whose cuDNN algorithms differ): for
+    cifar10_cnn (convolutions, LRN, matmuls) and for a dense network (matmuls alone)."""
+    batch, models = probe_batch_and_models()
     figures = {}
-    for name, model in (("cnn", cnn), ("dense", dense)):
-        cpu = gradient(model, "/cpu:0", False)
-        figures[name] = {"tf32_on": relative_error(gradient(model, "/gpu:0", True), cpu),
-                         "tf32_off": relative_error(gradient(model, "/gpu:0", False), cpu),
-                         "tf32_off_deterministic": relative_error(gradient(model, "/gpu:0", False, True), cpu)}
+    for name, model in models.items():
+        cpu = gradient(model, batch, "/cpu:0")
+        figures[name] = {"tf32_on": relative_error(gradient(model, batch, "/gpu:0", True), cpu),
+                         "tf32_off": relative_error(gradient(model, batch, "/gpu:0", False), cpu),
+                         "tf32_off_deterministic": relative_error(gradient(model, batch, "/gpu:0", False, True), cpu)}
     return figures
 
 
+def cpu_float32() -> dict:
+    """How far float32 arithmetic alone moves the gradients `tf32` compares, on the CPU: between two
+    processes, one with oneDNN's kernels (TensorFlow's default) and one with Eigen's
+    (TF_ENABLE_ONEDNN_OPTS=0); and in this process, after every weight moved by one unit of its
+    last place (relative 2^-24, random signs)."""
+    import os
+    import subprocess
+    import tempfile
+
+    import numpy as np
+
+    batch, models = probe_batch_and_models()
+    figures = {name: {} for name in models}
+    with tempfile.TemporaryDirectory() as scratch:
+        saved = {}
+        for kernels, onednn in (("onednn", "1"), ("eigen", "0")):
+            saved[kernels] = os.path.join(scratch, f"{kernels}.npz")
+            subprocess.run([sys.executable, __file__, "save_cpu_gradients", saved[kernels]], check=True, timeout=300,
+                           env={**os.environ, "TF_ENABLE_ONEDNN_OPTS": onednn})
+        onednn, eigen = (np.load(saved[k]) for k in ("onednn", "eigen"))
+        for name, model in models.items():
+            keys = [f"{name}_{i}" for i in range(len(model.trainable_variables))]
+            figures[name]["onednn_against_eigen"] = relative_error([onednn[k] for k in keys],
+                                                                   [eigen[k] for k in keys])
+    rng = np.random.default_rng(1)
+    for name, model in models.items():
+        values = [np.asarray(v) for v in model.trainable_variables]
+        moved = [(v * (1 + rng.choice([-1.0, 1.0], v.shape) * 2.0 ** -24)).astype(np.float32) for v in values]
+        figures[name]["one_ulp_of_the_weights"] = relative_error(
+            gradient(model, batch, "/cpu:0", values=moved), gradient(model, batch, "/cpu:0"))
+    return figures
+
+
+def save_cpu_gradients() -> dict:
+    """`cpu_float32`'s child: saves both models' gradients on the CPU to sys.argv[2]."""
+    import numpy as np
+
+    batch, models = probe_batch_and_models()
+    np.savez(sys.argv[2], **{f"{name}_{i}": g for name, model in models.items()
+                             for i, g in enumerate(gradient(model, batch, "/cpu:0"))})
+    return {"saved": sys.argv[2]}
+
+
 if __name__ == "__main__":
-    print(json.dumps({"xla": xla, "tf32": tf32}[sys.argv[1]]()))
+    print(json.dumps({"xla": xla, "tf32": tf32, "cpu_float32": cpu_float32,
+                      "save_cpu_gradients": save_cpu_gradients}[sys.argv[1]]()))
