@@ -1,4 +1,5 @@
-"""step/device_feed.py: the stream's micro-batches cut into shards, each prefetched to its device."""
+"""step/device_feed.py: the stream's micro-batches cut into shards, each prefetched to its device
+when asked (on accelerators), else left on the host."""
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -30,10 +31,11 @@ def dataset_of(batches) -> tf.data.Dataset:
         return tf.data.Dataset.from_tensor_slices(stacked)
 
 
+@pytest.mark.parametrize("copy_ahead", [True, None], ids=["copied_ahead", "on_cpus_left_on_the_host"])
 @pytest.mark.parametrize("shard_sizes", [(2, 2, 2), (3, 1, 2)], ids=["even", "uneven"])
-def test_each_shard_is_the_next_rows_of_its_micro_batch_on_its_own_device(shard_sizes):
+def test_each_shard_is_the_next_rows_of_its_micro_batch_on_its_device_or_the_host(shard_sizes, copy_ahead):
     batches = micro_batches(4, sum(shard_sizes))
-    fed = list(feed_devices(dataset_of(batches), DEVICES, shard_sizes, "/cpu:0"))
+    fed = list(feed_devices(dataset_of(batches), DEVICES, shard_sizes, "/cpu:0", copy_ahead))
     assert len(fed) == len(batches)  # and the stream ends where the dataset does
     bounds = np.cumsum((0,) + shard_sizes)
     for shards, batch in zip(fed, batches, strict=True):
@@ -46,11 +48,12 @@ def test_each_shard_is_the_next_rows_of_its_micro_batch_on_its_own_device(shard_
             for g, w in zip(got, want, strict=True):
                 assert g.dtype == w.dtype
                 np.testing.assert_array_equal(g.numpy(), w)
-            # Where the runtime keeps it (int32 tensors report their device too).
-            assert {device_name(leaf.device) for leaf in got} == {device_name(device)}
+            # Logical CPU devices share the host's cores and memory: unless asked, no copy ahead.
+            assert {device_name(leaf.device) for leaf in got} == {device_name(device if copy_ahead else "/cpu:0")}
 
 
-def test_an_error_in_the_pipeline_reaches_the_caller_as_the_ops_own_error():
+@pytest.mark.parametrize("copy_ahead", [True, False])
+def test_an_error_in_the_pipeline_reaches_the_caller_as_the_ops_own_error(copy_ahead):
     def check(images, labels, weights):
         tf.debugging.assert_less(labels, 5, message="label out of range")
         return images, labels, weights
@@ -58,7 +61,7 @@ def test_an_error_in_the_pipeline_reaches_the_caller_as_the_ops_own_error():
     labels = np.array([[1, 2], [3, 9]], np.int32)  # the second micro-batch holds a 9
     dataset = tf.data.Dataset.from_tensor_slices((np.zeros((2, 2, 3), np.float32), labels,
                                                   np.ones((2, 2), np.float32))).map(check)
-    fed = feed_devices(dataset, DEVICES[:2], (1, 1), "/cpu:0")
+    fed = feed_devices(dataset, DEVICES[:2], (1, 1), "/cpu:0", copy_ahead)
     first = next(fed)
     np.testing.assert_array_equal([shard[1].numpy() for shard in first], [[1], [2]])
     with pytest.raises(tf.errors.InvalidArgumentError, match="label out of range"):

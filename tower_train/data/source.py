@@ -46,9 +46,9 @@ _HOST = "/cpu:0"  # input pipelines run on the host, as in the original
 # behind the compute, as the original's queue of 2 x towers examples did; an autotuned buffer of
 # an endless stream kept filling (with RAM and both cores) after training had stopped.
 TRAIN_PREFETCH = 2
-# Prefetched; being cut into shards; waiting in step.device_feed's buffer on the host and in its
-# buffers on the devices (one each); and the towers' shards being trained on.
-TRAIN_BATCHES_HELD = TRAIN_PREFETCH + 4
+# In host memory: prefetched; being cut into the towers' shards; and the shards being trained on
+# (logical CPU devices) or waiting in step.device_feed's host buffer (accelerators).
+TRAIN_BATCHES_HELD = TRAIN_PREFETCH + 2
 
 Preprocess = Callable[[tf.Tensor, tf.Tensor, bool], tf.Tensor]
 # The op errors that bad data (a malformed, corrupted or deleted file, a label out of range) or a

@@ -12,9 +12,9 @@ import tensorflow as tf
 # the features as the model takes them, or raw as the training stream gives them (`data.RawInput`).
 Batch = tuple[tf.Tensor, tf.Tensor, tf.Tensor]
 BatchSpec = tuple[tf.TensorSpec, tf.TensorSpec, tf.TensorSpec]
-# One global micro-batch as consecutive shards, one per device of the step, each on its device
-# (`device_feed.feed_devices`).
-Shards = list[Batch]
+# One global micro-batch as consecutive shards, one per device of the step, each already on its
+# device when that is an accelerator, else on the host (`device_feed.feed_devices`).
+Shards = Sequence[Batch]
 
 
 class Decision(enum.IntEnum):
@@ -55,7 +55,8 @@ class InnerStep(Protocol):
 
     def feed(self, dataset: tf.data.Dataset) -> Iterator[Shards]:
         """The global micro-batches of `dataset` (on the host) as `run_update` takes them: cut
-        into this process's towers' or replicas' shards, each prefetched to its device."""
+        into this process's towers' or replicas' shards, each prefetched to its device if that is
+        an accelerator."""
 
     def run_update(self, batches: Iterator[Shards]) -> UpdateResult:
         """Takes K global micro-batches (`feed`'s) from `batches` and applies one update, or

@@ -109,7 +109,8 @@ class StrategyStep:
 
     def feed(self, dataset: tf.data.Dataset) -> Iterator[Shards]:
         """`dataset`'s global micro-batches, each of this worker's replicas' shards prefetched to
-        the replica's device from this worker's host."""
+        the replica's device from this worker's host if that device is an accelerator
+        (`device_feed.feed_devices`)."""
         devices = self._strategy.extended.worker_devices
         host = tf.DeviceSpec.from_string(devices[0]).replace(device_type="CPU", device_index=0).to_string()
         return feed_devices(dataset, devices, self._shard_sizes, host)

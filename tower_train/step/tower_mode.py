@@ -310,7 +310,8 @@ class TowerStep:
         return any(copies is not None for copies in self.layout.copies)
 
     def feed(self, dataset: tf.data.Dataset) -> Iterator[Shards]:
-        """`dataset`'s global micro-batches, each tower's shard prefetched to its device."""
+        """`dataset`'s global micro-batches, each tower's shard prefetched to its device if that
+        is an accelerator (`device_feed.feed_devices`)."""
         return feed_devices(dataset, self._devices, self._shard_sizes, HOST_DEVICE)
 
     def run_update(self, batches: Iterator[Shards]) -> UpdateResult:

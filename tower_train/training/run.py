@@ -147,9 +147,9 @@ class Run:
 
     def batches(self) -> Iterator[Shards]:
         """The training stream from the state's position in it (`examples_seen`): this worker's
-        shard, in global micro-batches of this process's towers, raw (`data.RawInput`), each
-        tower's shard prefetched to its device (`InnerStep.feed`): the towers preprocess their
-        shards there."""
+        shard, in global micro-batches of this process's towers, raw (`data.RawInput`), cut into
+        the towers' shards, each prefetched to its tower if that is an accelerator
+        (`InnerStep.feed`): the towers preprocess their shards on their own devices."""
         worker = self.mode.worker
         return self.inner.feed(self.source.train_stream(
             seed=self.config.seed, start_position=int(self.state.examples_seen.numpy()),
