@@ -6,6 +6,7 @@ test process itself hides its GPUs: tests/conftest.py). Prints one JSON line.
     python tests/gpu_probe.py cpu_float32  # needs no GPU: the same gradient from two CPU float32
                                            # implementations (oneDNN's and Eigen's convolutions),
                                            # and after one-ulp changes of the weights
+    python tests/gpu_probe.py save_cpu_gradients OUT.npz  # cpu_float32's child: the gradients
 """
 import dataclasses
 import json
@@ -118,8 +119,8 @@ def tf32() -> dict:
 def cpu_float32() -> dict:
     """How far float32 arithmetic alone moves the gradients `tf32` compares, on the CPU: between two
     processes, one with oneDNN's kernels (TensorFlow's default) and one with Eigen's
-    (TF_ENABLE_ONEDNN_OPTS=0); and in this process, after every weight moved by one unit of its
-    last place (relative 2^-24, random signs)."""
+    (TF_ENABLE_ONEDNN_OPTS=0); and in this process, after every nonzero weight moved by one unit
+    of its last place (relative 2^-24, random signs)."""
     import os
     import subprocess
     import tempfile
@@ -133,7 +134,7 @@ def cpu_float32() -> dict:
         for kernels, onednn in (("onednn", "1"), ("eigen", "0")):
             saved[kernels] = os.path.join(scratch, f"{kernels}.npz")
             subprocess.run([sys.executable, __file__, "save_cpu_gradients", saved[kernels]], check=True, timeout=300,
-                           env={**os.environ, "TF_ENABLE_ONEDNN_OPTS": onednn})
+                           env={**os.environ, "TF_ENABLE_ONEDNN_OPTS": onednn}, stdout=subprocess.DEVNULL)
         onednn, eigen = (np.load(saved[k]) for k in ("onednn", "eigen"))
         for name, model in models.items():
             keys = [f"{name}_{i}" for i in range(len(model.trainable_variables))]

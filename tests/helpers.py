@@ -44,12 +44,13 @@ def host_batches(run: Run):
         micro_batch=run.config.batch_size * len(run.mode.plan.tower_devices)))
 
 
-def fed(inner, batches):
+def fed(inner, batches, copy_ahead=None):
     """Global micro-batches on the host (a finite iterable of (features, labels, weights)) as
-    `inner.run_update` takes them: through the step's own `feed`, as training's stream comes."""
+    `inner.run_update` takes them: through the step's own `feed`, as training's stream comes;
+    `copy_ahead` as `feed` takes it (True: as on accelerators)."""
     dataset = functools.reduce(tf.data.Dataset.concatenate,
                                [tf.data.Dataset.from_tensors(tuple(batch)) for batch in batches])
-    return inner.feed(dataset)
+    return inner.feed(dataset, copy_ahead)
 
 
 def unit_weighted(features, labels) -> tuple:

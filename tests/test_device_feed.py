@@ -5,7 +5,7 @@ import pytest
 import tensorflow as tf
 
 from tower_train.data.source import RawInput
-from tower_train.step.device_feed import feed_devices, shard_specs
+from tower_train.step.device_feed import copies_ahead, feed_devices, shard_specs
 from tower_train.traffic import device_name
 
 DEVICES = ("/cpu:1", "/cpu:2", "/cpu:3")
@@ -66,6 +66,14 @@ def test_an_error_in_the_pipeline_reaches_the_caller_as_the_ops_own_error(copy_a
     np.testing.assert_array_equal([shard[1].numpy() for shard in first], [[1], [2]])
     with pytest.raises(tf.errors.InvalidArgumentError, match="label out of range"):
         next(fed)
+
+
+def test_only_accelerators_get_a_copy_ahead():
+    assert not copies_ahead(["/cpu:1", "/cpu:2"])
+    assert not copies_ahead(["/job:worker/replica:0/task:1/device:CPU:0"])
+    assert copies_ahead(["/gpu:0", "/gpu:1"])
+    assert copies_ahead(["/job:localhost/replica:0/task:0/device:GPU:0"])
+    assert copies_ahead(["/cpu:1", "/gpu:0"])  # any accelerator among them
 
 
 def test_shard_specs_cut_the_batch_axis_and_keep_the_rest():

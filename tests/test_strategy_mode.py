@@ -57,12 +57,14 @@ def everything(rule: UpdateRule) -> list[list[np.ndarray]]:
     return replica_values(state)
 
 
-def test_one_update_of_two_micro_steps_is_one_plain_sgd_step_on_the_concatenated_batch():
+@pytest.mark.parametrize("copy_ahead", [False, True], ids=["shards_on_the_host", "copied_ahead"])
+def test_one_update_of_two_micro_steps_is_one_plain_sgd_step_on_the_concatenated_batch(copy_ahead):
     step, rule = make_step(shard_size=3)
     batches = micro_batches((3, 3), 2)
     expected_loss, expected = plain_sgd_step(rule.model, batches)
     total_weight = sum(float(w.sum()) for _, _, w in batches)
-    stream = fed(step, batches + batches[:1])  # a third micro-batch, which the update must leave
+    # A third micro-batch, which the update must leave.
+    stream = fed(step, batches + batches[:1], copy_ahead)
 
     result = step.run_update(stream)
 

@@ -54,10 +54,11 @@ def accumulators(step: TowerStep) -> list[np.ndarray]:
     return values(step.variable_roles()["gradients"])
 
 
+@pytest.mark.parametrize("copy_ahead", [False, True], ids=["shards_on_the_host", "copied_ahead"])
 @pytest.mark.parametrize("tower_weights", ["per_update", "per_micro_step"])
 @pytest.mark.parametrize("shard_sizes", [(3, 3), (4, 1)], ids=["even", "uneven"])
 def test_one_update_of_two_micro_steps_is_one_plain_sgd_step_on_the_concatenated_batch(
-        shard_sizes, tower_weights):
+        shard_sizes, tower_weights, copy_ahead):
     rule = make_rule()
     step = TowerStep(rule=rule, tower_devices=TOWERS, placement=OneDevice(PARAM_DEVICE),
                      accum=2, shard_sizes=shard_sizes, tower_weights=tower_weights)
@@ -66,13 +67,15 @@ def test_one_update_of_two_micro_steps_is_one_plain_sgd_step_on_the_concatenated
     expected_loss, expected = plain_sgd_step(rule.model, batches)
     total_weight = sum(float(w.sum()) for _, _, w in batches)
 
-    result = step.run_update(fed(step, batches))
+    result = step.run_update(fed(step, batches, copy_ahead))
 
     assert result.applied and result.total_weight == pytest.approx(total_weight, rel=1e-6)
     assert result.loss == pytest.approx(expected_loss, rel=1e-5)
     for got, want in zip(values(rule.model.trainable_variables), expected, strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     assert int(rule.step.numpy()) == int(rule.optimizer.iterations.numpy()) == 1
+    # Shards on the host or already on the towers, a list or a tuple: one trace of each function.
+    assert len(step.accumulate._list_all_concrete_functions()) == len(step.update._list_all_concrete_functions()) == 1
 
 
 def test_accumulate_adds_each_towers_sums_on_its_device_and_update_clears_them():

@@ -156,8 +156,8 @@ def test_the_counts_are_what_the_runtime_sends():
                 continue
             op = graph.get_operation_by_name(name)
             (tensor,) = [t for t in op.outputs if t.dtype.as_datatype_enum == node.attr["T"].type][:1]
-            # Not the shards, which the feed puts on the towers; the runtime still hands int32 labels
-            # from the host, where TensorFlow keeps int32 arguments.
+            # Not the shards: the arguments, which arrive on the host (logical CPU devices get no copy
+            # ahead, step/device_feed.py), as count_traffic counts them from there, as input.
             if source == param and op.type != "Placeholder":
                 sent["from the parameter device"] += tensor.shape.num_elements() * tensor.dtype.size
             elif target == param:

@@ -11,8 +11,9 @@ number of times it runs per update, and counts what crosses devices in them:
   graph node names, because that is where TensorFlow's placer puts it; a
   variable's device comes from the function's captures. The function's
   arguments are counted from `argument_device` (the host, where the stream
-  is made: the shards a step's feed prefetches to the towers cross from
-  there, only ahead of the update), and its results are fetched there. An op that names no
+  is made: the shards a step's feed copies ahead to accelerators cross from
+  there, only ahead of the update; on CPU devices the graph copies them),
+  and its results are fetched there. An op that names no
   device runs there too, as the placer's default device does when the caller
   names none. Constants are not counted: they are built where they are used.
 - A collective (CollectiveReduceV2, NcclAllReduce, ...) moves its data in the

@@ -123,8 +123,9 @@ def build_workload(bench: BenchConfig, config: TrainConfig, plan: DevicePlan,
 def _input_reader(make_iterator: Callable[[], object], accum: int) -> Callable[[int], float]:
     """`read(n)`: the seconds that reading n updates' micro-batches from a second iterator of the
     stream takes, with no training beside it: the iterator `make_iterator()` gives (a mode's
-    `feed`, which prefetches each shard to its device, as training takes them), inside
-    TensorFlow, one compiled loop of `get_next`, not one Python call per micro-batch."""
+    `feed`, which cuts the towers' shards and copies them ahead to accelerators, as training
+    takes them), inside TensorFlow, one compiled loop of `get_next`, not one Python call per
+    micro-batch."""
     import tensorflow as tf
 
     from tower_train.devices import HOST_DEVICE

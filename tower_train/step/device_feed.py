@@ -8,7 +8,7 @@ that takes it: while one micro-step computes, the next one's shards cross to the
 one shard per device waits there. This is how tf.distribute feeds its replicas (a
 MultiDeviceIterator); tf.data's public `prefetch_to_device` reaches one device only. Logical CPU
 devices share the host's memory and cores, so a copy ahead saves nothing there, and the
-iterator's threads cost training 15-20% of its examples/sec on 2 cores (docs/performance.md):
+iterator's threads cost training 12-15% of its examples/sec on 2 cores (docs/performance.md):
 their shards stay on the host, and the update's graph copies them, as it always did.
 
 The cut and the order are the stream's, so a fed step trains on exactly what it would from the
@@ -28,17 +28,25 @@ from tensorflow.python.data.ops.multi_device_iterator_ops import OwnedMultiDevic
 from tower_train.step.inner_step import BatchSpec
 from tower_train.step.towers import split_batch
 
-# Shards each device holds ready beyond the one being taken: one hides the copy behind a
-# micro-step's compute; more would only hold device memory.
+# Shards each device holds ready beyond the one being taken, and the host holds for it: one hides
+# the copy behind a micro-step's compute; more would only hold memory.
 DEVICE_PREFETCH = 1
+
+
+def copies_ahead(devices: Sequence[str]) -> bool:
+    """Whether a copy ahead helps `devices`: some of them are not CPUs (logical CPU devices share
+    the host's memory and cores)."""
+    return any(tf.DeviceSpec.from_string(device).device_type != "CPU" for device in devices)
 
 
 def feed_devices(dataset: tf.data.Dataset, devices: Sequence[str], shard_sizes: Sequence[int], host: str,
                  copy_ahead: bool | None = None) -> Iterator:
     """An iterator of the global micro-batches of `dataset` (on `host`), each as `Shards`: shard
     i, the next `shard_sizes[i]` examples of the micro-batch, already on `devices[i]` when
-    `copy_ahead`, else on the host. `copy_ahead` None: where it helps, when some device is not a
-    CPU. Its `get_next()` may also be called inside a tf.function that takes it as an argument.
+    `copy_ahead`, else on the host. `copy_ahead` None: where it helps (`copies_ahead`). Its
+    `get_next()` may also be called inside a tf.function that takes it as an argument. After an
+    error from `dataset` it is done with: a copy ahead would hand later shards to the wrong
+    devices.
 
     `dataset` yields (features, labels, weights) of sum(shard_sizes) examples (features and
     labels may be nests); the shards are cut in that order.
@@ -46,7 +54,7 @@ def feed_devices(dataset: tf.data.Dataset, devices: Sequence[str], shard_sizes: 
     if len(devices) != len(shard_sizes):
         raise ValueError(f"{len(devices)} devices for {len(shard_sizes)} shard sizes")
     if copy_ahead is None:
-        copy_ahead = any(tf.DeviceSpec.from_string(device).device_type != "CPU" for device in devices)
+        copy_ahead = copies_ahead(devices)
     with tf.device(host):
         if not copy_ahead:
             return iter(dataset.map(lambda *batch: tuple(split_batch(batch, shard_sizes))))

@@ -53,10 +53,10 @@ class UpdateResult:
 class InnerStep(Protocol):
     """Applies one update of K micro-steps: what a mode computes, apart from the outer loop."""
 
-    def feed(self, dataset: tf.data.Dataset) -> Iterator[Shards]:
+    def feed(self, dataset: tf.data.Dataset, copy_ahead: bool | None = None) -> Iterator[Shards]:
         """The global micro-batches of `dataset` (on the host) as `run_update` takes them: cut
-        into this process's towers' or replicas' shards, each prefetched to its device if that is
-        an accelerator."""
+        into this process's towers' or replicas' shards, each copied ahead to its device if
+        `copy_ahead`; None: if that is an accelerator (`device_feed.feed_devices`)."""
 
     def run_update(self, batches: Iterator[Shards]) -> UpdateResult:
         """Takes K global micro-batches (`feed`'s) from `batches` and applies one update, or

@@ -107,20 +107,21 @@ class StrategyStep:
         self.apply = tf.function(self._apply)
         self.discard = tf.function(self._discard)
 
-    def feed(self, dataset: tf.data.Dataset) -> Iterator[Shards]:
-        """`dataset`'s global micro-batches, each of this worker's replicas' shards prefetched to
-        the replica's device from this worker's host if that device is an accelerator
-        (`device_feed.feed_devices`)."""
+    def feed(self, dataset: tf.data.Dataset, copy_ahead: bool | None = None) -> Iterator[Shards]:
+        """`dataset`'s global micro-batches, each of this worker's replicas' shards copied ahead
+        to the replica's device from this worker's host if `copy_ahead` (None: if that device is
+        an accelerator; `device_feed.feed_devices`)."""
         devices = self._strategy.extended.worker_devices
         host = tf.DeviceSpec.from_string(devices[0]).replace(device_type="CPU", device_index=0).to_string()
-        return feed_devices(dataset, devices, self._shard_sizes, host)
+        return feed_devices(dataset, devices, self._shard_sizes, host, copy_ahead)
 
     def run_update(self, batches: Iterator[Shards]) -> UpdateResult:
         """Takes K micro-batches (`feed`'s) from `batches` and applies one update, or refuses it
         when the total weight is 0 or a non-finite value on any replica would reach the weights."""
+        # A tuple whichever feed gave the shards: a list would trace the functions again.
         for _ in range(self._accum - 1):
-            self.accumulate(next(batches))
-        shards = next(batches)
+            self.accumulate(tuple(next(batches)))
+        shards = tuple(next(batches))
         result = UpdateResult.of(*self.finish(shards))
         if result.applied:
             weights = shards[0][2]  # one per label

@@ -309,19 +309,20 @@ class TowerStep:
         """Whether some tower reads its own copy of the weights (refreshed once per update)."""
         return any(copies is not None for copies in self.layout.copies)
 
-    def feed(self, dataset: tf.data.Dataset) -> Iterator[Shards]:
-        """`dataset`'s global micro-batches, each tower's shard prefetched to its device if that
-        is an accelerator (`device_feed.feed_devices`)."""
-        return feed_devices(dataset, self._devices, self._shard_sizes, HOST_DEVICE)
+    def feed(self, dataset: tf.data.Dataset, copy_ahead: bool | None = None) -> Iterator[Shards]:
+        """`dataset`'s global micro-batches, each tower's shard copied ahead to its device if
+        `copy_ahead` (None: if that is an accelerator; `device_feed.feed_devices`)."""
+        return feed_devices(dataset, self._devices, self._shard_sizes, HOST_DEVICE, copy_ahead)
 
     def run_update(self, batches: Iterator[Shards]) -> UpdateResult:
         """Takes K global micro-batches (`feed`'s) from `batches` and applies one update."""
         self.layout.before_update()
         if self.copies_weights:
             self.refresh_weights()
+        # A tuple whichever feed gave the shards: a list would trace the functions again.
         for _ in range(self._accum - 1):
-            self.accumulate(next(batches))
-        result = UpdateResult.of(*self.update(next(batches)))
+            self.accumulate(tuple(next(batches)))
+        result = UpdateResult.of(*self.update(tuple(next(batches))))
         self.layout.after_update(result.applied)
         return result
 

@@ -31,7 +31,7 @@ from tower_train.errors import Stopped, TrainingError, UsageError, op_error_text
 from tower_train.training.held_out import EvaluationHook, check_metrics_against, evaluate
 from tower_train.export import export_saved_model
 from tower_train.training.hooks import Hook, UpdateEvent
-from tower_train.step.inner_step import Batch, Decision, InnerStep, UpdateResult
+from tower_train.step.inner_step import Decision, InnerStep, Shards, UpdateResult
 from tower_train.model_spec import ModelSpec, users_network
 from tower_train.step.modes import Mode
 from tower_train.numerics import run_numerics, tf32_note
@@ -98,7 +98,7 @@ class Controller:
     """
 
     def __init__(self, *, config: TrainConfig, state: TrainState, inner: InnerStep,
-                 batches: Iterator[Batch], writer: checkpoints.CheckpointWriter,
+                 batches: Iterator[Shards], writer: checkpoints.CheckpointWriter,
                  hooks: Sequence[Hook], global_batch: int, log: Callable[..., None],
                  warn: Callable[..., None] = logging.warning, stop: StopSignals | None = None,
                  any_worker: Callable[[bool], bool] = bool,
@@ -210,7 +210,7 @@ class Controller:
             self.inner.state_written()
         return results
 
-    def _noted(self, update: int, start: float) -> Iterator[Batch]:
+    def _noted(self, update: int, start: float) -> Iterator[Shards]:
         """The micro-batches, with a log line every LONG_UPDATE_NOTE seconds of an update that
         takes longer, so that a large --accum shows it is alive."""
         note_at = start + LONG_UPDATE_NOTE
