@@ -44,13 +44,18 @@ def host_batches(run: Run):
         micro_batch=run.config.batch_size * len(run.mode.plan.tower_devices)))
 
 
+def dataset_of(batches) -> tf.data.Dataset:
+    """A finite iterable of global micro-batches, (features, labels, weights) each, as a dataset
+    that yields them in order, as the training stream does."""
+    return functools.reduce(tf.data.Dataset.concatenate,
+                            [tf.data.Dataset.from_tensors(tuple(batch)) for batch in batches])
+
+
 def fed(inner, batches, copy_ahead=None):
     """Global micro-batches on the host (a finite iterable of (features, labels, weights)) as
     `inner.run_update` takes them: through the step's own `feed`, as training's stream comes;
     `copy_ahead` as `feed` takes it (True: as on accelerators)."""
-    dataset = functools.reduce(tf.data.Dataset.concatenate,
-                               [tf.data.Dataset.from_tensors(tuple(batch)) for batch in batches])
-    return inner.feed(dataset, copy_ahead)
+    return inner.feed(dataset_of(batches), copy_ahead)
 
 
 def unit_weighted(features, labels) -> tuple:

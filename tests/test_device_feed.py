@@ -7,6 +7,7 @@ import tensorflow as tf
 from tower_train.data.source import RawInput
 from tower_train.step.device_feed import copies_ahead, feed_devices, shard_specs
 from tower_train.traffic import device_name
+from helpers import dataset_of
 
 DEVICES = ("/cpu:1", "/cpu:2", "/cpu:3")
 
@@ -23,12 +24,6 @@ def micro_batches(count: int, size: int) -> list:
         weights = rng.random(size).astype(np.float32)
         batches.append((RawInput(images, seeds), labels, weights))
     return batches
-
-
-def dataset_of(batches) -> tf.data.Dataset:
-    with tf.device("/cpu:0"):
-        stacked = tf.nest.map_structure(lambda *parts: np.stack(parts), *batches)
-        return tf.data.Dataset.from_tensor_slices(stacked)
 
 
 @pytest.mark.parametrize("copy_ahead", [True, None], ids=["copied_ahead", "on_cpus_left_on_the_host"])
