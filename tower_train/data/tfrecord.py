@@ -14,6 +14,7 @@ from typing import Callable, Mapping, Sequence, TypeVar, Union
 import numpy as np
 import tensorflow as tf
 
+from tower_train.data.batch_parse import parse_batch
 from tower_train.data.source import (_HOST, TRAIN_PREFETCH, DataError, Preprocess, Source, check_stream_arguments,
                                      weight_check, without_autotuning)
 from tower_train.errors import UsageError, op_error_text
@@ -157,7 +158,7 @@ class TFRecordSource(Source):
         self.train_files = checked_files(name, "train_files", train_files, self.compression)
         self.eval_files = (None if eval_files is None
                            else checked_files(name, "eval_files", eval_files, self.compression))
-        self._returns_weights: bool | None = None  # known once `check` has traced parse
+        self._parse_signature: tuple[tf.TensorSpec, ...] | None = None  # known once `check` has traced parse
 
     # ----------------------------------------------------------------------------------------------
     # The Source interface
@@ -304,9 +305,9 @@ class TFRecordSource(Source):
         """Batches of (positions, records) -> (positions int64, features, labels, weights float32).
 
         When every feature has a fixed length, a batch of records is parsed at once
-        (`tf.io.parse_example`) and `parse` vectorized over it, which costs far less per example
-        than a map over single records; otherwise record by record, as `parse` sees a
-        variable-length feature unpadded only then."""
+        (`tf.io.parse_example`) and `parse` run over it by `parse_batch` (vectorized where it
+        can be), which costs far less per example than a map over single records; otherwise
+        record by record, as `parse` sees a variable-length feature unpadded only then."""
         if not all(isinstance(f, tf.io.FixedLenFeature) for f in self.features.values()):
             def parse_one(position, record):
                 return (position, *self._checked(*self._user_parse(record)))
@@ -316,7 +317,7 @@ class TFRecordSource(Source):
 
         def parse_many(positions, records):
             columns = tf.io.parse_example(records, self.features)
-            out = tf.vectorized_map(lambda example: tuple(self._call_parse(example)), columns)
+            out = parse_batch(self._call_parse, columns, self.parse_signature)
             return (positions, *self._checked(*out, batched=True))
 
         return examples.map(parse_many, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
@@ -351,9 +352,14 @@ class TFRecordSource(Source):
 
     @property
     def returns_weights(self) -> bool:
-        if self._returns_weights is None:
-            self.check()
-        return bool(self._returns_weights)
+        return len(self.parse_signature) == 3
+
+    @property
+    def parse_signature(self) -> tuple[tf.TensorSpec, ...]:
+        """What `parse` returns for one example: features and labels of their specs, then weights
+        (of the labels' shape, in parse's own dtype) if it returns them."""
+        self.check()
+        return self._parse_signature
 
     def check(self) -> None:
         """Traces `parse` on no data and checks what it returns against the specs.
@@ -361,11 +367,11 @@ class TFRecordSource(Source):
         Not done in the constructor: tracing starts TensorFlow's runtime, after which `fit` could
         no longer create the logical devices. `fit` calls it once the devices exist.
         """
-        if self._returns_weights is None:
-            self._returns_weights = self._check_parse()
+        if self._parse_signature is None:
+            self._parse_signature = self._check_parse()
 
-    def _check_parse(self) -> bool:
-        """Traces `parse` on no data and checks what it returns; True when it returns weights."""
+    def _check_parse(self) -> tuple[tf.TensorSpec, ...]:
+        """Traces `parse` on no data, checks what it returns and returns its `parse_signature`."""
         def trace(autograph: bool):
             function = (self._user_parse if autograph
                         else tf.autograph.experimental.do_not_convert(self._user_parse))
@@ -396,7 +402,8 @@ class TFRecordSource(Source):
                 raise DataError(f"{self.name}: parse returns weights {weights.dtype.name} "
                                 f"{_shape(weights.shape)}: expected numbers of the labels' shape "
                                 f"{_shape(self.label_spec.shape)}")
-        return len(spec) == 3
+        return (self.feature_spec, self.label_spec,
+                *(tf.TensorSpec(self.label_spec.shape, weights.dtype) for weights in spec[2:]))
 
 
 # --------------------------------------------------------------------------------------------------
