@@ -48,6 +48,9 @@ def test_every_kind_runs_and_the_report_and_json_are_well_formed(tmp_path):
     assert [r["config"] for r in written["results"]] == names
     assert all(r["examples_per_sec"] > 0 and r["sec_per_update"] > 0 for r in written["results"])
     for r in written["results"]:
+        # Each round's time, in order; the figure is their median.
+        assert len(r["sec_per_update_by_round"]) == 3
+        assert r["sec_per_update"] == sorted(r["sec_per_update_by_round"])[1]
         k, b = k_and_b(r["config"])
         row = rows[r["config"]]  # config, G, median, '+/-', jitter, sec/update, MB: weights, grads, stats
         assert int(row[1]) == r["global_batch"] == b * TOWERS * k, row  # G = B x towers x K

@@ -24,7 +24,7 @@ def measured(config: str, global_batch: int, examples_per_sec: float, jitter: fl
              input_examples_per_sec: float | None = None, compute_devices: list[str] | None = None) -> Measurement:
     return Measurement(config, global_batch, examples_per_sec, jitter, sec_per_update, labels_per_example,
                        bytes_per_update, input_examples_per_sec, None, None,
-                       compute_devices or [f"/cpu:{i}" for i in range(1, TOWERS + 1)])
+                       compute_devices or [f"/cpu:{i}" for i in range(1, TOWERS + 1)], [sec_per_update])
 
 
 def moved(copied: dict, collective: dict | None = None) -> dict:

@@ -27,6 +27,7 @@ class Measurement:
     busiest_device_bytes: float | None  # Traffic.busiest_device_bytes; None on one device
     state_bytes_per_device: dict | None  # Workload.state_bytes(); None on one device
     compute_devices: list[str]  # Workload.compute_devices(): where its update computes
+    sec_per_update_by_round: list[float]  # in round order: comparisons pair the rounds
 
     @property
     def sec_per_example(self) -> float:
@@ -61,7 +62,7 @@ def run_benchmark(config: TrainConfig, benches: list[BenchConfig], plan: DeviceP
                                    traffic and traffic.as_dict(), input_rate,
                                    traffic and traffic.busiest_device_bytes,
                                    workload.state_bytes and workload.state_bytes(),
-                                   workload.compute_devices()))
+                                   workload.compute_devices(), seconds[name]))
     return results
 
 
