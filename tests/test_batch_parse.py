@@ -27,6 +27,15 @@ def padded_int32s(example):
     return tf.pad(values, [[0, LENGTH - tf.shape(values)[0]]]), example["label"]
 
 
+WORDS = tf.constant([b"a", b"bcd", b"efghij", b"kl"])
+
+
+def word_of(example):
+    """Bytes made inside parse from no string feature: word x, each of its own length."""
+    letters = tf.io.decode_raw(tf.gather(WORDS, example["x"]), tf.uint8)
+    return tf.pad(letters, [[0, LENGTH - tf.shape(letters)[0]]]), example["label"]
+
+
 def jpegs(sizes: list[tuple[int, int]]) -> list[bytes]:
     rng = np.random.default_rng(0)
     return [tf.io.encode_jpeg(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).numpy() for h, w in sizes]
@@ -45,6 +54,7 @@ def each_alone(parse, columns: dict) -> list[np.ndarray]:
 
 JPEG_SIGNATURE = (tf.TensorSpec([SIDE, SIDE, 3], tf.float32), tf.TensorSpec([], tf.int64))
 INT32_SIGNATURE = (tf.TensorSpec([LENGTH], tf.int32), tf.TensorSpec([], tf.int64))
+LETTERS_SIGNATURE = (tf.TensorSpec([LENGTH], tf.uint8), tf.TensorSpec([], tf.int64))
 
 
 @pytest.mark.parametrize("parse, signature, column", [
@@ -52,9 +62,13 @@ INT32_SIGNATURE = (tf.TensorSpec([LENGTH], tf.int32), tf.TensorSpec([], tf.int64
     (resized_jpeg, JPEG_SIGNATURE, ("image", jpegs([(12, 12)] * 4))),
     (padded_int32s, INT32_SIGNATURE, ("values", int32_bytes([3, 5, 1, 6]))),
     (padded_int32s, INT32_SIGNATURE, ("values", int32_bytes([4] * 4))),
-], ids=["jpegs-of-four-sizes", "jpegs-of-one-size", "raw-bytes-of-four-lengths", "raw-bytes-of-one-length"])
+    (word_of, LETTERS_SIGNATURE, ("x", [0, 1, 2, 3])),
+], ids=["jpegs-of-four-sizes", "jpegs-of-one-size", "raw-bytes-of-four-lengths", "raw-bytes-of-one-length",
+        "raw-bytes-made-by-parse"])
 def test_a_batch_parses_as_its_examples_do_alone(parse, signature, column):
-    columns = {column[0]: np.array(column[1], dtype=object), "label": np.arange(4, dtype=np.int64)}
+    values = column[1]
+    columns = {column[0]: np.array(values, dtype=object if isinstance(values[0], bytes) else np.int64),
+               "label": np.arange(4, dtype=np.int64)}
     batched = tf.function(lambda batch: parse_batch(parse, batch, signature))(
         {name: tf.constant(values) for name, values in columns.items()})
     for got, want, spec in zip(batched, each_alone(parse, columns), signature):

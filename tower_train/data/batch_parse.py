@@ -52,23 +52,25 @@ def parse_batch(parse: Callable[[Columns], tuple], columns: Columns,
     def one_example(example: Columns) -> tuple[tf.Tensor, ...]:
         return tuple(tf.ensure_shape(out, spec.shape) for out, spec in zip(parse(example), signature))
 
-    def vectorized() -> tuple[tf.Tensor, ...]:
-        return tuple(tf.vectorized_map(one_example, columns, fallback_to_while_loop=False))
+    def vectorized(batch: Columns) -> tuple[tf.Tensor, ...]:
+        return tuple(tf.vectorized_map(one_example, batch, fallback_to_while_loop=False))
 
     def per_example() -> tuple[tf.Tensor, ...]:
         return tuple(tf.map_fn(one_example, columns, fn_output_signature=signature))
 
-    # A trial trace, in a graph of its own, says which: a branch of the cond below must build
-    # its own ops, or they would run whichever branch is taken.
-    trial = tf.function(lambda batch: tf.vectorized_map(one_example, batch, fallback_to_while_loop=False))
+    # A trial trace, in a graph of its own, says which to build: the vectorized ops must be built
+    # inside the cond's branch, or they would run whichever branch the cond takes. (`check` has
+    # traced parse before, so an error here is pfor's, not the user's.)
     conversions = _decode_raw_conversions
     try:
-        trial.get_concrete_function({name: tf.TensorSpec.from_tensor(c) for name, c in columns.items()})
-    except ValueError:  # an op without a converter (decode_jpeg, ...): tracing stops there
+        tf.function(vectorized).get_concrete_function(
+            {name: tf.TensorSpec.from_tensor(column) for name, column in columns.items()})
+    except ValueError:  # an op without a converter (decode_jpeg, ...)
         return per_example()
     if _decode_raw_conversions == conversions:
-        return vectorized()
-    one_length = tf.reduce_all([tf.reduce_all(tf.equal(lengths, lengths[:1]))
-                                for lengths in (tf.reshape(tf.strings.length(column), [-1])
-                                                for column in columns.values() if column.dtype == tf.string)])
-    return tuple(tf.cond(one_length, vectorized, per_example))
+        return vectorized(columns)
+    strings = [tf.reshape(tf.strings.length(c), [-1]) for c in columns.values() if c.dtype == tf.string]
+    if not strings:  # decode_raw of bytes made inside parse: their lengths are not known here
+        return per_example()
+    one_length = tf.reduce_all([tf.reduce_all(tf.equal(lengths, lengths[:1])) for lengths in strings])
+    return tuple(tf.cond(one_length, lambda: vectorized(columns), per_example))
