@@ -10,7 +10,8 @@ one shape.
 `tf.io.decode_raw`, how raw image bytes are read (CIFAR-10's records), has no vectorizing
 converter in TensorFlow: one is registered here (`_decode_raw_batched`). A batch decodes at once
 only when its strings are all of one length, so a parse that uses it is vectorized for a batch
-whose string features each hold strings of one length, and runs per example otherwise.
+whose string features each hold strings of one length, and runs per example otherwise (and
+always when it decodes bytes it made from no string feature).
 """
 
 from __future__ import annotations
@@ -29,15 +30,24 @@ _decode_raw_conversions = 0  # counts the converter's calls: a trace that made o
 def _decode_raw_batched(pfor_input) -> pfor.WrappedTensor:
     """DecodeRaw of stacked strings [n, *S] -> [n, *S, L]: one op, exact when all n are L bytes long
     (it raises otherwise, as one example's decode_raw does on strings of several lengths)."""
-    global _decode_raw_conversions
-    _decode_raw_conversions += 1
     decoded = gen_parsing_ops.decode_raw(pfor_input.stacked_input(0), pfor_input.get_attr("out_type"),
                                          little_endian=pfor_input.get_attr("little_endian"))
     return pfor.wrap(decoded, True)
 
 
-if "DecodeRaw" not in pfor._pfor_converter_registry:  # a TensorFlow with its own converter keeps it
-    pfor.RegisterPFor("DecodeRaw")(_decode_raw_batched)
+def _counted(converter: Callable) -> Callable:
+    def convert(pfor_input):
+        global _decode_raw_conversions
+        _decode_raw_conversions += 1
+        return converter(pfor_input)
+
+    return convert
+
+
+# TensorFlow's registry of converters, where tf.vectorized_map looks (private: RegisterPFor refuses
+# a second one). A TensorFlow with a converter of its own keeps it, counted too.
+pfor._pfor_converter_registry["DecodeRaw"] = _counted(
+    pfor._pfor_converter_registry.get("DecodeRaw", _decode_raw_batched))
 
 
 def parse_batch(parse: Callable[[Columns], tuple], columns: Columns,
