@@ -27,7 +27,7 @@ class Measurement:
     busiest_device_bytes: float | None  # Traffic.busiest_device_bytes; None on one device
     state_bytes_per_device: dict | None  # Workload.state_bytes(); None on one device
     compute_devices: list[str]  # Workload.compute_devices(): where its update computes
-    sec_per_update_by_round: list[float]  # in round order: comparisons pair the rounds
+    sec_per_update_by_round: list[float]  # in round order, so a reader can pair two configurations' rounds
 
     @property
     def sec_per_example(self) -> float:

@@ -317,7 +317,7 @@ class TFRecordSource(Source):
 
         def parse_many(positions, records):
             columns = tf.io.parse_example(records, self.features)
-            out = parse_batch(self._call_parse, columns, self.parse_signature)
+            out = parse_batch(self._call_parse, columns, self._signature())
             return (positions, *self._checked(*out, batched=True))
 
         return examples.map(parse_many, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
@@ -352,10 +352,9 @@ class TFRecordSource(Source):
 
     @property
     def returns_weights(self) -> bool:
-        return len(self.parse_signature) == 3
+        return len(self._signature()) == 3
 
-    @property
-    def parse_signature(self) -> tuple[tf.TensorSpec, ...]:
+    def _signature(self) -> tuple[tf.TensorSpec, ...]:
         """What `parse` returns for one example: features and labels of their specs, then weights
         (of the labels' shape, in parse's own dtype) if it returns them."""
         self.check()
@@ -371,7 +370,7 @@ class TFRecordSource(Source):
             self._parse_signature = self._check_parse()
 
     def _check_parse(self) -> tuple[tf.TensorSpec, ...]:
-        """Traces `parse` on no data, checks what it returns and returns its `parse_signature`."""
+        """Traces `parse` on no data, checks what it returns and returns its `_signature`."""
         def trace(autograph: bool):
             function = (self._user_parse if autograph
                         else tf.autograph.experimental.do_not_convert(self._user_parse))
