@@ -87,9 +87,9 @@ def _decoded_columns(parse_vectorized: Callable, columns: Columns) -> list[str] 
     finally:
         _trial.decoded = None
         logger.removeFilter(quiet)
-    names = {tensor: name for name, tensor in placeholders.items()}
+    column_of = {placeholder: name for name, placeholder in placeholders.items()}
     # Only the vectorized map gathers from the placeholders: parse sees one example's slices.
-    read = [names.get((t.op.inputs[0] if t.op.type == "GatherV2" else t).name) for t in decoded]
+    read = [column_of.get((t.op.inputs[0] if t.op.type == "GatherV2" else t).name) for t in decoded]
     return None if None in read else sorted(set(read))
 
 
