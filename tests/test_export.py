@@ -3,6 +3,7 @@ built-in data), logits out, that loads without tower-train and refuses any other
 nothing is ever overwritten."""
 import logging
 import os
+import stat
 import subprocess
 import sys
 
@@ -12,7 +13,7 @@ import tensorflow as tf
 from absl import logging as absl_logging
 
 import tower_train.models as models
-from tower_train import export
+from tower_train import config, export
 from tower_train.data import catalog
 from tower_train.data import image_sets
 from tower_train.model_spec import ModelSpec
@@ -108,6 +109,44 @@ def test_a_non_empty_export_dir_is_refused_at_start_up_and_left_untouched(tmp_pa
     assert (export_dir / "saved_model.pb").read_text() == "precious"
 
 
+@pytest.mark.parametrize("target", ["empty_dir", "missing"])
+def test_a_link_at_export_dir_is_refused_at_start_up_and_nothing_is_written(tmp_path, target):
+    """A link to an empty directory passed the check and the run failed after training, on the
+    move ("Not a directory"); a dangling link the same way."""
+    export_dir = tmp_path / "export"
+    if target == "empty_dir":
+        (tmp_path / target).mkdir()
+    export_dir.symlink_to(tmp_path / target)
+    result = run_cli("--max_steps=1", f"--train_dir={tmp_path / 'run'}", f"--export_dir={export_dir}")
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        f"tower_train: error: --export_dir={export_dir}: is a symbolic link to {tmp_path / target}; "
+        "name the directory itself (nothing is written through a link)"]
+    assert sorted(os.listdir(tmp_path)) == sorted({"export", target} - {"missing"})  # no train_dir
+    assert target == "missing" or os.listdir(tmp_path / target) == []
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="gives a directory to another user (chown)")
+def test_an_empty_export_dir_that_the_sticky_bit_keeps_from_this_user_is_refused_at_start_up(
+        tmp_path, monkeypatch):
+    """In a sticky directory such as /tmp only its owner may replace another user's empty
+    directory: the move at the end would fail with EPERM, after training."""
+    parent = tmp_path / "shared"
+    parent.mkdir()
+    os.chmod(parent, 0o1777)
+    export_dir = parent / "export"
+    export_dir.mkdir()
+    os.chown(export_dir, 12345, 12345)
+    monkeypatch.setattr(config.os, "geteuid", lambda: 23456)  # neither root nor an owner
+    with pytest.raises(UsageError) as error:
+        config.check_export_dir(str(export_dir))
+    assert str(error.value) == (f"--export_dir={export_dir}: belongs to another user in {parent}, "
+                                "whose sticky bit lets only its owner replace it; name a new "
+                                "directory")
+    monkeypatch.setattr(config.os, "geteuid", lambda: 12345)  # its owner may
+    config.check_export_dir(str(export_dir))
+
+
 CNN = ModelSpec("cifar10_cnn", lambda: models.model_class("cifar10_cnn")(num_classes=10))
 
 
@@ -135,9 +174,11 @@ def test_export_dir_filled_while_writing_is_not_overwritten(tmp_path, monkeypatc
     assert (export_dir / "theirs").read_text() == "precious"
 
 
-def test_without_a_moving_average_the_trained_weights_go_into_an_empty_export_dir(tmp_path, caplog):
+def test_without_a_moving_average_the_trained_weights_go_into_an_empty_export_dir_of_its_mode(
+        tmp_path, caplog):
     export_dir = tmp_path / "export"
     export_dir.mkdir()  # empty: allowed
+    os.chmod(export_dir, 0o701)  # no umask makes this; the staging directory replaced it with 0o755
     model = fresh_cnn()
     verbosity = absl_logging.get_verbosity()
     absl_logging.set_verbosity(absl_logging.INFO)  # as the CLI does; else saving resets it to WARNING
@@ -147,6 +188,8 @@ def test_without_a_moving_average_the_trained_weights_go_into_an_empty_export_di
     finally:
         absl_logging.set_verbosity(verbosity)
     assert "exported the trained weights (no moving average: --ema_decay=0)" in caplog.text
+    assert stat.S_IMODE(os.stat(export_dir).st_mode) == 0o701
+    assert sorted(os.listdir(tmp_path)) == ["export"]
     images = raw_images()[-4:]
     serve = tf.saved_model.load(str(export_dir)).signatures["serving_default"]
     served = serve(features=tf.constant(images))["logits"]

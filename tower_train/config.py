@@ -11,6 +11,7 @@ import dataclasses
 import math
 import numbers
 import os
+import stat
 import tempfile
 import types
 import typing
@@ -418,7 +419,12 @@ def _check_can_be_made(flag: str, path: str, inside: str | None = None) -> None:
 
 
 def check_export_dir(path: str) -> None:
-    """Refuses an export_dir that holds anything: an export never overwrites."""
+    """Refuses an export_dir the export at the end could not be moved into: a symbolic link (the
+    move would fail on it, and nothing is written through a link), a file, a directory that holds
+    anything (an export never overwrites), or one that the run may not replace."""
+    if os.path.islink(path):
+        raise UsageError(f"--export_dir={path}: is a symbolic link to {os.readlink(path)}; name the "
+                         "directory itself (nothing is written through a link)")
     if os.path.exists(path) and not os.path.isdir(path):
         raise UsageError(f"--export_dir={path}: is a file, not a directory; name a new directory "
                          "(nothing is overwritten)")
@@ -426,4 +432,16 @@ def check_export_dir(path: str) -> None:
         raise UsageError(f"--export_dir={path}: exists and is not empty; name a new directory "
                          "(nothing is overwritten)")
     # The export is staged beside it and moved in: its parent must be writable.
-    _check_can_be_made("--export_dir", path, inside=os.path.dirname(os.path.abspath(path)))
+    parent = os.path.dirname(os.path.abspath(path))
+    _check_can_be_made("--export_dir", path, inside=parent)
+    if os.path.isdir(path) and not _may_replace(path, parent):
+        raise UsageError(f"--export_dir={path}: belongs to another user in {parent}, whose sticky "
+                         "bit lets only its owner replace it; name a new directory")
+
+
+def _may_replace(path: str, parent: str) -> bool:
+    """Whether this process may rename over `path` in `parent`: in a sticky directory (/tmp)
+    only the owner of the entry or of the directory may, or root."""
+    parent_stat = os.stat(parent)
+    return (not parent_stat.st_mode & stat.S_ISVTX or os.geteuid() in (0, parent_stat.st_uid)
+            or os.lstat(path).st_uid == os.geteuid())

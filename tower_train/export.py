@@ -14,13 +14,16 @@ dtype is refused when the signature is called. Load it with TensorFlow alone:
 The weights are the moving average when the run kept one (--ema_decay > 0, the
 default), as `python -m tower_train.eval` evaluates by default; else the trained
 weights. Nothing is overwritten: an export_dir that exists and is not empty is
-refused, and the SavedModel is written beside it first, then moved into place.
+refused, and the SavedModel is written beside it first, then moved into place; an
+empty export_dir it replaces keeps its mode. A symbolic link is refused, never
+written through.
 """
 from __future__ import annotations
 
 import dataclasses
 import os
 import shutil
+import stat
 import tempfile
 
 import tensorflow as tf
@@ -74,6 +77,17 @@ def inference_copy(spec: ModelSpec, source: Source, model, moving_average=None):
     return copy
 
 
+def _export_mode(export_dir: str) -> int:
+    """The mode the export gets: that of the empty directory it replaces, else a plain mkdir's
+    (mkdtemp's 0700 is for the staging only)."""
+    try:
+        return stat.S_IMODE(os.lstat(export_dir).st_mode)
+    except FileNotFoundError:
+        umask = os.umask(0)
+        os.umask(umask)
+        return 0o777 & ~umask
+
+
 def export_saved_model(spec: ModelSpec, source: Source, model, moving_average, export_dir: str) -> None:
     """Writes the SavedModel (see the module docstring) to `export_dir`.
 
@@ -82,10 +96,11 @@ def export_saved_model(spec: ModelSpec, source: Source, model, moving_average, e
       model: the trained network (a tower_train.TowerModel).
       moving_average: its schedules.MovingAverage, or None when the run kept none;
         when given, its averages are the exported weights.
-      export_dir: absent, or an empty directory.
+      export_dir: absent, or an empty directory (not a link).
 
     Raises:
-      UsageError: export_dir exists and is not empty (checked again just before the move).
+      UsageError: export_dir is refused by `config.check_export_dir` (checked again just before
+        the move).
     """
     check_export_dir(export_dir)
     which = ("the moving average of the weights (--ema_decay > 0)" if moving_average is not None
@@ -96,10 +111,8 @@ def export_saved_model(spec: ModelSpec, source: Source, model, moving_average, e
     staging = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(export_dir))}.", dir=parent)
     try:
         tf.saved_model.save(module, staging, signatures={"serving_default": module.serve})
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(staging, 0o777 & ~umask)  # mkdtemp's 0700 is for the staging only
         check_export_dir(export_dir)
+        os.chmod(staging, _export_mode(export_dir))
         try:
             # rename() replaces an absent or empty directory, and fails on a non-empty one.
             os.rename(staging, export_dir)
