@@ -288,6 +288,23 @@ def test_a_workers_failed_save_does_not_say_that_no_checkpoint_was_written(tmp_p
                                  "are the chief's to write; make room and run the same command to resume")
 
 
+def test_a_link_as_a_workers_own_directory_is_refused_and_nothing_is_written_where_it_points(tmp_path):
+    # Before: rmtree left the link, and the worker's checkpoints were written into its target.
+    elsewhere, train_dir = tmp_path / "elsewhere", tmp_path / "run"
+    elsewhere.mkdir(), train_dir.mkdir()
+    (elsewhere / "precious").write_text("precious")
+    (train_dir / ".worker_1.tmp").symlink_to(elsewhere)
+    writer = checkpoints.CheckpointWriter(state(), str(train_dir), RECORD, is_chief=False, worker_index=1)
+    with pytest.raises(UsageError) as refused:
+        writer.restore()
+        writer.save(1)
+    assert str(refused.value) == (
+        f"--train_dir={train_dir}: {train_dir}/.worker_1.tmp is a symbolic link (to {elsewhere}); a run "
+        "follows no link where it writes, so nothing it points at is written: remove it, or add "
+        f"--train_dir={train_dir}_2")
+    assert os.listdir(elsewhere) == ["precious"]
+    assert (elsewhere / "precious").read_text() == "precious"
+
 @pytest.mark.parametrize("earlier", [0, 1])
 def test_a_train_dir_whose_only_stray_is_the_data_of_an_interrupted_save_resumes(tmp_path, earlier):
     """TF's merge renames a save's data file into place, then writes its index: a save cut

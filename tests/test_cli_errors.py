@@ -132,3 +132,29 @@ def test_bad_input_is_one_line_and_writes_nothing(tmp_path, args, expected, tf_c
     assert "Traceback" not in result.stderr + result.stdout
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]
     assert a_file.read_text() == "precious"
+
+
+@pytest.mark.parametrize("lock", ["a link", "a directory"])
+def test_a_link_or_a_directory_as_the_lock_is_one_line_and_nothing_is_written_through_it(tmp_path, lock):
+    # Before: through a link the lock truncated the file it named, and the run trained (exit 0);
+    # a directory was an IsADirectoryError traceback.
+    precious = tmp_path / "precious"
+    precious.write_text("precious")
+    train_dir = tmp_path / "train"
+    train_dir.mkdir()
+    if lock == "a link":
+        (train_dir / "lock").symlink_to(precious)
+    else:
+        (train_dir / "lock").mkdir()
+
+    result = run_cli(f"--train_dir={train_dir}", "--max_steps=1", "--batch_size=2")
+
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr + result.stdout
+    lines = result.stderr.strip().splitlines()
+    assert lines == [f"tower_train: error: --train_dir={train_dir}: cannot lock {train_dir}/lock ("
+                     + (f"it is a symbolic link, to {precious}, which the run does not follow"
+                        if lock == "a link" else "it is a directory, not a file")
+                     + f"; remove it, or add --train_dir={train_dir}_2)"], result.stderr
+    assert precious.read_text() == "precious"
+    assert sorted(p.name for p in train_dir.iterdir()) == ["lock"]

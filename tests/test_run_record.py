@@ -93,3 +93,110 @@ def test_the_check_compares_the_record_or_its_copy_and_refuses_a_run_with_files_
     RECORD.check(directory, [3], not_asked)
     with pytest.raises(UsageError, match=f"holds {RUN_FILE} but no checkpoint"):
         RECORD.check(directory, [], not_asked)
+
+
+@pytest.mark.parametrize("target", ["precious", "missing/precious", "precious_not_yet_made"])
+def test_a_link_at_the_lock_is_refused_and_what_it_names_is_untouched(tmp_path, target):
+    # Before: the lock was opened through the link, and the file it named truncated (or made).
+    precious = tmp_path / "precious"
+    precious.write_text("precious")
+    train_dir = tmp_path / "run"
+    train_dir.mkdir()
+    (train_dir / "lock").symlink_to(tmp_path / target)
+    with pytest.raises(UsageError) as refused:
+        run_record.TrainDirLock(str(train_dir))
+    assert str(refused.value) == (
+        f"--train_dir={train_dir}: cannot lock {train_dir}/lock (it is a symbolic link, to "
+        f"{tmp_path / target}, which the run does not follow; remove it, or add "
+        f"--train_dir={train_dir}_2)")
+    assert precious.read_text() == "precious"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["precious", "run"]
+
+
+@pytest.mark.parametrize("kind,make", [("a directory", os.mkdir), ("a FIFO", os.mkfifo)])
+def test_a_directory_or_a_fifo_where_the_lock_belongs_is_one_usage_error_line(tmp_path, kind, make):
+    # Before: IsADirectoryError for a directory; a FIFO was taken as the lock.
+    train_dir = tmp_path / "run"
+    train_dir.mkdir()
+    make(train_dir / "lock")
+    with pytest.raises(UsageError) as refused:
+        run_record.TrainDirLock(str(train_dir))
+    assert str(refused.value) == (f"--train_dir={train_dir}: cannot lock {train_dir}/lock (it is {kind}, "
+                                  f"not a file; remove it, or add --train_dir={train_dir}_2)")
+
+
+def test_a_train_dir_that_is_a_file_or_under_a_link_loop_is_one_usage_error_line(tmp_path):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("precious")
+    with pytest.raises(UsageError) as refused:  # before: FileExistsError
+        run_record.TrainDirLock(str(a_file))
+    assert str(refused.value) == (f"--train_dir={a_file}: cannot make the directory (it is a file, "
+                                  "not a directory)")
+    assert a_file.read_text() == "precious"
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
+    with pytest.raises(UsageError) as refused:  # before: OSError ELOOP from os.makedirs
+        run_record.TrainDirLock(str(tmp_path / "loop" / "run"))
+    assert str(refused.value) == (f"--train_dir={tmp_path}/loop/run: cannot make the directory "
+                                  "(Too many levels of symbolic links)")
+
+
+@pytest.mark.parametrize("name", ["checkpoint.tmp", f"{RUN_FILE}.tmp", "ckpt-3.index", "ckpt-3_temp",
+                                  "events.out.tfevents.1.host.42.0", "passed_over"])
+def test_a_link_in_the_train_dir_is_refused_by_the_lock_and_what_it_names_is_untouched(tmp_path, name):
+    # Before: the lock was taken, and the run's writes (its own, TensorFlow's) went through the link.
+    precious = tmp_path / "precious"
+    precious.write_text("precious")
+    train_dir = tmp_path / "run"
+    train_dir.mkdir()
+    (train_dir / name).symlink_to(precious)
+    with pytest.raises(UsageError) as refused:
+        run_record.TrainDirLock(str(train_dir))
+    assert str(refused.value) == (
+        f"--train_dir={train_dir}: {train_dir}/{name} is a symbolic link (to {precious}); a run follows "
+        f"no link where it writes, so nothing it points at is written: remove it, or add "
+        f"--train_dir={train_dir}_2")
+    assert precious.read_text() == "precious"
+    (train_dir / name).unlink()
+    with run_record.TrainDirLock(str(train_dir)):  # the refusal released the lock
+        pass
+
+
+def test_a_link_at_a_staging_file_is_refused_and_what_it_names_is_untouched(tmp_path):
+    # Before: the run record (and the checkpoints' index) were written through the link.
+    precious = tmp_path / "precious"
+    precious.write_text("precious")
+    train_dir = tmp_path / "run"
+    train_dir.mkdir()
+    (train_dir / f"{RUN_FILE}.tmp").symlink_to(precious)
+    with pytest.raises(UsageError) as refused:
+        RECORD.write(str(train_dir))
+    assert str(refused.value) == (
+        f"{train_dir}/{RUN_FILE}.tmp is a symbolic link (to {precious}); a run follows no link where it "
+        "writes, so nothing it points at is written: remove it")
+    assert precious.read_text() == "precious"
+    assert os.listdir(train_dir) == [f"{RUN_FILE}.tmp"]
+
+
+def test_a_staging_file_left_by_a_killed_run_is_replaced_and_one_planted_in_its_place_is_not_followed(
+        tmp_path, monkeypatch):
+    path = tmp_path / "checkpoint"
+    (tmp_path / "checkpoint.tmp").write_text("half an index")
+    run_record.write_whole(str(path), "whole")
+    assert path.read_text() == "whole"
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint"]
+
+    # A link made between the removal of the stale file and the staging file's creation.
+    precious = tmp_path / "precious"
+    precious.write_text("precious")
+    (tmp_path / "checkpoint.tmp").write_text("half an index")
+    remove = os.remove
+
+    def remove_then_plant(name):
+        remove(name)
+        os.symlink(precious, name)
+
+    monkeypatch.setattr(os, "remove", remove_then_plant)
+    with pytest.raises(FileExistsError):  # before: written through the link
+        run_record.write_whole(str(path), "again")
+    assert precious.read_text() == "precious"
+    assert path.read_text() == "whole"

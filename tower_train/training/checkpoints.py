@@ -21,7 +21,8 @@ import tensorflow as tf
 from absl import logging
 
 from tower_train.errors import TrainingError, UsageError, first_line
-from tower_train.training.run_record import RUN_FILE, RunRecord, fresh_directory, write_whole
+from tower_train.training.run_record import (RUN_FILE, RunRecord, fresh_directory, link_refusal,
+                                             write_whole)
 
 CHECKPOINTS_KEPT = 5  # enough to fall back past a bad one, small enough to ignore
 _STATE_FILE = "checkpoint"  # where tf.train.CheckpointManager lists a directory's checkpoints
@@ -266,6 +267,8 @@ class CheckpointWriter:
         save; returns the path restored, None for a fresh start."""
         if self._is_chief:
             remove_partial_saves(self.train_dir)
+        elif os.path.islink(self._directory):  # not removed by rmtree: its target would be written
+            raise link_refusal(self._directory, self.train_dir)
         else:
             shutil.rmtree(self._directory, ignore_errors=True)  # this worker's own, from a killed run
         self._latest = restore_latest_readable(self._checkpoint, self.train_dir, is_finite)

@@ -5,7 +5,13 @@ resumed (the model, the data, the seed, the optimizer, whether a moving average
 is kept, and G, the examples per update): a `RunRecord`, whose `check` compares
 a new run with it (`checkpoints.check_same_run` tells it what the checkpoints
 say). `TrainDirLock` keeps a second run out of a train_dir while one trains
-there. Nothing here reads a checkpoint.
+there, and refuses a symbolic link in it (`refuse_links`). Nothing here reads a checkpoint.
+
+A run follows no link inside its train_dir: the default train_dir is a fixed name under /tmp,
+and a link planted inside it (which /tmp's sticky bit does not cover) would point the run's
+writes at any file its owner may write. The run's own files are opened so that they follow no
+link (the lock, `write_whole`'s staging file); TensorFlow's checkpoint and summary writers follow
+links, so a link anywhere among the train_dir's entries is refused before they run.
 """
 from __future__ import annotations
 
@@ -15,6 +21,7 @@ import fcntl
 import json
 import os
 import socket
+import stat
 from typing import Callable
 
 from absl import logging
@@ -116,16 +123,69 @@ def fresh_directory(train_dir: str) -> str:
 
 
 def write_whole(path: str, text: str) -> None:
-    """Writes `text` to `path` whole or not at all: staged beside it, then renamed over it; the
-    staging file is removed if the write fails (a full disk). OSError as the write raises it."""
+    """Writes `text` to `path` whole or not at all: staged beside it in a file made afresh, then
+    renamed over it (a link at `path` is replaced, never written through); the staging file is
+    removed if the write fails (a full disk). UsageError if the staging file's name is a
+    symbolic link; OSError as the write raises it."""
     staging = f"{path}.tmp"
     try:
-        with open(staging, "w") as f:
+        if stat.S_ISLNK(os.lstat(staging).st_mode):
+            raise link_refusal(staging)
+        os.remove(staging)  # left by a run killed while it wrote
+    except FileNotFoundError:
+        pass
+    # O_EXCL follows no link and makes the file afresh: one planted since the removal fails it.
+    fd = os.open(staging, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    try:
+        with os.fdopen(fd, "w") as f:
             f.write(text)
         os.replace(staging, path)
     finally:
-        if os.path.exists(staging):
+        if os.path.lexists(staging):
             os.remove(staging)
+
+
+def link_refusal(path: str, train_dir: str | None = None) -> UsageError:
+    """The refusal of a symbolic link at `path`, where the run would write."""
+    where = f"--train_dir={train_dir}: " if train_dir is not None else ""
+    fresh = f", or add --train_dir={fresh_directory(train_dir)}" if train_dir is not None else ""
+    return UsageError(f"{where}{path} is a symbolic link (to {os.readlink(path)}); a run follows "
+                      f"no link where it writes, so nothing it points at is written: remove it{fresh}")
+
+
+def refuse_links(train_dir: str) -> None:
+    """Refuses a symbolic link among train_dir's entries, naming the first: the run writes files
+    there by name, TensorFlow's among them, and those writers follow links."""
+    try:
+        names = sorted(os.listdir(train_dir))
+    except OSError as e:
+        raise UsageError(f"--train_dir={train_dir}: cannot list it ({e.strerror})") from None
+    for name in names:
+        path = os.path.join(train_dir, name)
+        if os.path.islink(path):
+            raise link_refusal(path, train_dir)
+
+
+def _not_a_file(path: str) -> str | None:
+    """Why no lock can be at `path` when something other than a regular file stands there; None
+    when a regular file does, or nothing."""
+    try:
+        mode = os.lstat(path).st_mode
+    except OSError:
+        return None
+    if stat.S_ISLNK(mode):
+        return f"it is a symbolic link, to {os.readlink(path)}, which the run does not follow"
+    kinds = {stat.S_ISREG: None, stat.S_ISDIR: "a directory", stat.S_ISFIFO: "a FIFO",
+             stat.S_ISSOCK: "a socket", stat.S_ISCHR: "a device", stat.S_ISBLK: "a device"}
+    kind = next(name for test, name in kinds.items() if test(mode))  # every kind Linux has
+    return None if kind is None else f"it is {kind}, not a file"
+
+
+def _lock_refusal(train_dir: str, path: str, odd: str | None, error: str = "") -> UsageError:
+    """"cannot lock <path> (<reason>)": what stands there instead of a file (`odd`) and what to
+    do about it, or the system's error."""
+    reason = f"{odd}; remove it, or add --train_dir={fresh_directory(train_dir)}" if odd else error
+    return UsageError(f"--train_dir={train_dir}: cannot lock {path} ({reason})")
 
 
 class TrainDirLock:
@@ -139,18 +199,34 @@ class TrainDirLock:
 
     def __init__(self, train_dir: str):
         self._created = not os.path.isdir(train_dir)
-        os.makedirs(train_dir, exist_ok=True)
+        try:
+            os.makedirs(train_dir, exist_ok=True)
+        except OSError as e:  # a file of that name, a link loop on the way (ELOOP)
+            reason = "it is a file, not a directory" if e.errno == errno.EEXIST else e.strerror
+            raise UsageError(f"--train_dir={train_dir}: cannot make the directory ({reason})") from None
         self._path = path = os.path.join(train_dir, LOCK_FILE)
-        self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            # No link followed (the run would truncate the file it names); no wait on a FIFO.
+            self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+        except OSError as e:
+            raise _lock_refusal(train_dir, path, _not_a_file(path), e.strerror) from None
+        if not stat.S_ISREG(os.fstat(self._fd).st_mode):
+            os.close(self._fd)
+            raise _lock_refusal(train_dir, path, _not_a_file(path) or "it is no regular file")
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
             holder = os.pread(self._fd, 200, 0).decode(errors="replace").strip() or "unknown"
             os.close(self._fd)
             if e.errno not in (errno.EWOULDBLOCK, errno.EACCES):
-                raise UsageError(f"--train_dir={train_dir}: cannot lock {path} ({e.strerror})") from None
+                raise _lock_refusal(train_dir, path, None, e.strerror) from None
             raise UsageError(f"--train_dir={train_dir}: another run is training there ({holder}); "
                              f"wait for it to end, or add --train_dir={fresh_directory(train_dir)}") from None
+        try:
+            refuse_links(train_dir)  # held: no other run changes it from here
+        except UsageError:
+            self.release()
+            raise
         try:
             os.ftruncate(self._fd, 0)
             os.pwrite(self._fd, f"PID {os.getpid()} on host {socket.gethostname()}\n".encode(), 0)
