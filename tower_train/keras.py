@@ -33,8 +33,6 @@ callbacks, the History and the progress bar. docs/keras.md maps every argument:
 from __future__ import annotations
 
 import math
-import shutil
-import tempfile
 from typing import Any
 
 import keras
@@ -42,7 +40,7 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
-from tower_train import api
+from tower_train import api, keras_temp_dir
 from tower_train.data.array_source import ArraySource
 from tower_train.training.keras_callbacks import check_callbacks
 from tower_train.config import TrainConfig
@@ -136,7 +134,7 @@ def fit(model: keras.Model, x: Any = None, y: Any = None, batch_size: int | None
         return loop.history
     _warn_differences(model, towers, accum, options)
     given_dir = options.pop("train_dir", None)
-    train_dir = given_dir if given_dir is not None else tempfile.mkdtemp(prefix="tower_train_keras_")
+    train_dir = given_dir if given_dir is not None else keras_temp_dir.make("tower_train_keras_")
     options.setdefault("ema_decay", 0.0)  # Keras keeps no moving average
     if given_dir is None:  # nothing resumes from it: only the save at the end, which is required
         options.setdefault("checkpoint_every", (epochs - initial_epoch) * per_epoch)
@@ -153,7 +151,7 @@ def fit(model: keras.Model, x: Any = None, y: Any = None, batch_size: int | None
         # The run gave the trained network its optimizer (training/keras_callbacks.py); compile()'s goes back.
         object.__setattr__(model, "optimizer", loop.own_optimizer)
         if given_dir is None:
-            shutil.rmtree(train_dir, ignore_errors=True)
+            keras_temp_dir.remove(train_dir)
     loop.hand_back_optimizer()
     return loop.history
 
