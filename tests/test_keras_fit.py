@@ -965,3 +965,86 @@ def test_batchnorms_moving_mean_moves_at_every_micro_step_of_every_tower():
     momentum = 0.99
     assert ratio == pytest.approx((1 - momentum ** (N * K * updates)) / (1 - momentum ** updates),
                                   rel=0.1)
+
+
+# The compiled optimizer's own features, each at a strength where ignoring it would show.
+OPTIMIZER_FEATURES = {
+    "clipnorm": (keras.optimizers.Adam, dict(clipnorm=0.05)),
+    "global_clipnorm": (keras.optimizers.Adam, dict(global_clipnorm=0.05)),
+    "clipvalue": (keras.optimizers.Adam, dict(clipvalue=1e-3)),
+    "weight_decay": (keras.optimizers.AdamW, dict(weight_decay=0.5)),
+    "use_ema": (keras.optimizers.Adam, dict(use_ema=True, ema_momentum=0.9)),
+    "ema_overwrite_frequency": (keras.optimizers.Adam,
+                                dict(use_ema=True, ema_momentum=0.5, ema_overwrite_frequency=3)),
+}
+
+
+@pytest.mark.parametrize("feature,mode", [*((feature, "tower") for feature in OPTIMIZER_FEATURES),
+                                          ("clipnorm", "mirrored"), ("weight_decay", "mirrored"),
+                                          ("use_ema", "mirrored")])
+def test_the_compiled_optimizers_clipping_decay_and_average_apply_as_in_kerass_fit(feature, mode):
+    """Keras's Optimizer.apply clips, decays and averages; the update does the same to its mean
+    gradient, so the weights equal Keras's fit at batch_size x accum, and differ from an
+    optimizer without the feature."""
+    make_optimizer, settings = OPTIMIZER_FEATURES[feature]
+    make, loss, _ = CASES["softmax"]
+    keras.utils.set_random_seed(5)
+    initial = make().get_weights()
+    x, y = data("softmax")
+    trained = {}
+    for name, kwargs in (("keras", settings), ("tower_train", settings), ("without", {})):
+        model = make()
+        model.set_weights(initial)
+        model.compile(optimizer=make_optimizer(1e-2, **kwargs), loss=loss)
+        if name == "keras":
+            model.fit(x, y, batch_size=B * K, epochs=EPOCHS, shuffle=False, verbose=0)
+        else:
+            tower_train.keras.fit(model, x, y, batch_size=B, epochs=EPOCHS, shuffle=False,
+                                  verbose=0, mode=mode, **LAYOUT)
+        trained[name] = model.get_weights()
+    for got, expected in zip(trained["tower_train"], trained["keras"], strict=True):
+        np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-6)
+    assert max(np.abs(a - b).max() for a, b in zip(trained["without"], trained["keras"])) > 1e-3
+
+
+def test_tower_train_fit_applies_adamws_weight_decay(tmp_path):
+    """tower_train.fit(optimizer=AdamW(...)) trains to Keras's fit with that AdamW, not Adam's
+    weights; a name excluded from the decay (exclude_from_weight_decay) is not decayed."""
+    make, loss, _ = CASES["softmax"]
+    keras.utils.set_random_seed(6)
+    initial = make().get_weights()
+    x, y = data("softmax")
+
+    def adamw():
+        optimizer = keras.optimizers.AdamW(1e-2, weight_decay=0.5)
+        optimizer.exclude_from_weight_decay(var_names=["bias"])
+        return optimizer
+
+    reference = make()
+    reference.set_weights(initial)
+    reference.compile(optimizer=adamw(), loss=loss)
+    reference.fit(x, y, batch_size=B * K, epochs=EPOCHS, shuffle=False, verbose=0)
+    results = {}
+    for name, optimizer in (("adamw", adamw()), ("adam", keras.optimizers.Adam(1e-2))):
+        model = make()
+        model.set_weights(initial)
+        result = tower_train.fit(model=model, loss=loss, optimizer=optimizer, data=(x, y),
+                                 shuffle=False, batch_size=B // N, max_steps=EPOCHS * EXAMPLES // (B * K),
+                                 ema_decay=0.0, train_dir=str(tmp_path / name), **LAYOUT)
+        results[name] = result.model.get_weights()
+    for got, expected in zip(results["adamw"], reference.get_weights(), strict=True):
+        np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-6)
+    assert np.abs(results["adam"][0] - results["adamw"][0]).max() > 1e-3
+
+
+def test_an_optimizer_feature_spread_cannot_apply_is_one_usage_error_line(tmp_path):
+    make, loss, _ = CASES["softmax"]
+    x, y = data("softmax")
+    with pytest.raises(tower_train.UsageError) as refused:
+        tower_train.fit(model=make(), loss=loss, optimizer=keras.optimizers.Adam(clipvalue=0.5),
+                        data=(x, y), ps_device="spread", train_dir=tmp_path / "run", **LAYOUT)
+    assert str(refused.value) == (
+        "optimizer=Adam(clipvalue=0.5): --ps_device=spread steps each device's slices with a copy "
+        "of the optimizer that applies none of these; use --ps_device=cpu or gpu (or --clip_norm, "
+        "--ema_decay)")
+    assert not (tmp_path / "run").exists()

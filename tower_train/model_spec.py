@@ -81,7 +81,38 @@ def resolve_model(model: object, config: TrainConfig, num_classes: int | None,
         raise UsageError(f"optimizer={type(optimizer).__name__}(gradient_accumulation_steps="
                          f"{optimizer.gradient_accumulation_steps}): the run accumulates micro-steps "
                          "itself; make it without, and set accum=")
+    _check_optimizer_features(optimizer, config)
     return dataclasses.replace(spec, optimizer=optimizer)
+
+
+def optimizer_features(optimizer: keras.optimizers.Optimizer) -> dict[str, object]:
+    """What the optimizer's `apply` does besides its step, by argument name: the features the
+    update applies as Keras applies them (`step/update_rule.UpdateRule.apply`)."""
+    features = {name: getattr(optimizer, name, None)
+                for name in ("clipnorm", "global_clipnorm", "clipvalue", "weight_decay")}
+    features["use_ema"] = bool(getattr(optimizer, "use_ema", False))
+    return {name: value for name, value in features.items() if value}
+
+
+def _check_optimizer_features(optimizer: keras.optimizers.Optimizer, config: TrainConfig) -> None:
+    """Refuses the features a placement cannot apply yet; says which applies where the run's own
+    --clip_norm or --ema_decay stands beside the optimizer's."""
+    features = optimizer_features(optimizer)
+    named = ", ".join(f"{name}={value}" for name, value in features.items())
+    if features and config.ps_device == "spread":
+        raise UsageError(f"optimizer={type(optimizer).__name__}({named}): --ps_device=spread steps "
+                         "each device's slices with a copy of the optimizer that applies none of "
+                         "these; use --ps_device=cpu or gpu (or --clip_norm, --ema_decay)")
+    clipping = [name for name in ("clipnorm", "global_clipnorm", "clipvalue") if name in features]
+    if config.clip_norm is not None and clipping:
+        logging.warning("--clip_norm=%s and the optimizer's %s=%s both apply: the update's "
+                        "gradient is clipped to --clip_norm first, then as the optimizer clips",
+                        config.clip_norm, clipping[0], features[clipping[0]])
+    if config.ema_decay and features.get("use_ema"):
+        logging.warning("--ema_decay=%s and the optimizer's use_ema both apply: the run's average "
+                        "is what evaluation and export read; the optimizer's (ema_momentum=%s) "
+                        "becomes the weights at the end, as Keras's fit does",
+                        config.ema_decay, optimizer.ema_momentum)
 
 
 def _resolve_model(model: object, config: TrainConfig, num_classes: int | None,

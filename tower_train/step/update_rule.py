@@ -71,12 +71,16 @@ class UpdateRule:
 
     def clip(self, mean_gradients: list[tf.Tensor], norm: tf.Tensor | None = None) -> list[tf.Tensor]:
         """The update's gradient (of the weighted mean loss over all G examples, plus the
-        regularization) rescaled to a global norm of at most `clip_norm`. Keras's own clipping
-        would clip each replica's share instead. `norm`: the whole gradient's global norm
-        (`global_norm`) when `mean_gradients` are only part of it, as one device's slices."""
-        if self.clip_norm is None:
-            return list(mean_gradients)
-        return tf.clip_by_global_norm(list(mean_gradients), self.clip_norm, use_norm=norm)[0]
+        regularization) rescaled to a global norm of at most `clip_norm`, then clipped as the
+        optimizer's own `clipnorm`, `global_clipnorm` or `clipvalue` says, as Keras's `apply`
+        clips a batch's gradient. Keras's own fit under a strategy would clip each replica's
+        share instead. `norm`: the whole gradient's global norm (`global_norm`) when
+        `mean_gradients` are only part of it, as one device's slices (where the optimizer may
+        not clip: model_spec refuses it)."""
+        gradients = list(mean_gradients)
+        if self.clip_norm is not None:
+            gradients = tf.clip_by_global_norm(gradients, self.clip_norm, use_norm=norm)[0]
+        return self.optimizer._clip_gradients(gradients)
 
     @staticmethod
     def half_squared_norm(gradients: list[tf.Tensor]) -> tf.Tensor:
@@ -90,22 +94,37 @@ class UpdateRule:
         return tf.sqrt(tf.reduce_sum(tf.stack(half_squared_norms)) * 2.0)
 
     def apply(self, clipped_gradients: list) -> None:
-        """Applies the clipped mean gradient; in a strategy, call it in cross-replica context
-        with gradients that are already reduced.
+        """Applies the clipped mean gradient (`clip`) as Keras's `Optimizer.apply` applies a
+        batch's: the optimizer's weight decay, the step of each variable, the layers'
+        constraints, and the optimizer's moving average (`use_ema`). In a strategy, call it in
+        cross-replica context with gradients that are already reduced.
 
-        Keras's `apply_gradients` all-reduces the gradients it is given whenever a
-        strategy is active (and clips before that), so it would reduce them a second
-        time. This is its public per-variable `update_step` instead: each copy of a
-        variable takes the copy of the gradient on its own device. The rate is read
-        once, from the schedule at `optimizer.iterations`, before that moves.
+        Keras's `apply_gradients` all-reduces the gradients it is given whenever a strategy is
+        active, clipping each replica's share before that, so it would reduce them a second time
+        and clip something else than the update's gradient. Its pieces are called here instead,
+        on the update's mean gradient, in Keras's order: each copy of a variable takes the copy
+        of the gradient on its own device. The rate is read once, from the schedule at
+        `optimizer.iterations`, before that moves, as is the weight decay's.
         """
-        rate = self.optimizer.learning_rate
+        optimizer, variables = self.optimizer, self.model.trainable_variables
+        rate = optimizer.learning_rate
         extended = tf.distribute.get_strategy().extended
-        for gradient, variable in zip(clipped_gradients, self.model.trainable_variables, strict=True):
-            extended.update(variable.value, self._update_variable, args=(gradient, rate), group=False)
+        for gradient, variable in zip(clipped_gradients, variables, strict=True):
+            decays = optimizer.weight_decay is not None and optimizer._use_weight_decay(variable)
+            extended.update(variable.value, self._update_variable, args=(gradient, rate),
+                            kwargs=dict(decays=decays), group=False)
+        for variable in variables:
+            if variable.constraint is not None:
+                variable.assign(variable.constraint(variable))
+        if optimizer.use_ema:  # before the count moves: Keras's first update sets the average
+            optimizer._update_model_variables_moving_average(variables)
+            if optimizer.ema_overwrite_frequency:
+                tf.cond(tf.equal((optimizer.iterations + 1) % optimizer.ema_overwrite_frequency, 0),
+                        lambda: optimizer._overwrite_model_variables_with_average_value(variables),
+                        lambda: None)
         self.count_update()
         if self.moving_average is not None:
-            self.moving_average.update(self.model.trainable_variables, self.step)
+            self.moving_average.update(variables, self.step)
 
     def count_update(self) -> None:
         """Counts an applied update: the optimizer's iterations (the rate's schedule reads them),
@@ -138,7 +157,14 @@ class UpdateRule:
         if self.loss_scale is not None:
             tf.cond(tf.equal(decision, int(Decision.EMPTY)), lambda: None, self.loss_scale.after_refused)
 
-    def _update_variable(self, variable: tf.Variable, gradient: tf.Tensor, rate: tf.Tensor) -> None:
+    def _update_variable(self, variable: tf.Variable, gradient: tf.Tensor, rate: tf.Tensor,
+                         decays: bool) -> None:
+        """One copy of a variable decayed, when the optimizer decays it, then stepped: Keras's
+        `_apply_weight_decay` then `update_step`, which under a strategy must run in a replica's
+        context where this runs in the cross-replica one."""
+        if decays:
+            variable.assign_sub(variable * tf.cast(self.optimizer.weight_decay, variable.dtype)
+                                * tf.cast(rate, variable.dtype))
         self.optimizer.update_step(gradient, variable, rate)
 
 

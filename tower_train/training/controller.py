@@ -373,6 +373,14 @@ def _train(config: TrainConfig, spec: ModelSpec, source: Source, mode: Mode, wat
                 stop.close()
 
         run.inner.sync_state()  # what the evaluation, the export and the caller read
+        if state.optimizer.use_ema:
+            # As Keras's fit ends: the optimizer's moving average becomes the weights. The last
+            # checkpoint keeps the trained ones, which a resumed run continues.
+            with mode.variable_scope():
+                state.optimizer.finalize_variable_values(state.model.trainable_variables)
+            log("the optimizer's moving average (use_ema, ema_momentum=%s) set the weights, as "
+                "Keras's fit does; the checkpoint holds the trained weights",
+                state.optimizer.ema_momentum)
         # Each step of the end is timed in the log, so a pause after the last update is never
         # silent.
         with watchdog.local_work():

@@ -106,7 +106,13 @@ def make_optimizer(config: TrainConfig, global_batch: int, train_examples: int |
     gradient in `apply`); the object itself is left untouched.
     """
     if given is not None:
-        return type(given).from_config(given.get_config())
+        copy = type(given).from_config(given.get_config())
+        # Set by exclude_from_weight_decay(), which get_config() leaves out: the names' pattern,
+        # and the variables, which are the run's own where it trains the given model in place.
+        for exclusion in ("_exclude_from_weight_decay", "_exclude_from_weight_decay_pattern"):
+            if hasattr(given, exclusion):
+                setattr(copy, exclusion, getattr(given, exclusion))
+        return copy
     if config.lr_schedule == "exponential" and not train_examples:
         raise UsageError("--lr_schedule=exponential: counts epochs, but the data set does not say "
                          "how many training examples it has; give the source a train_size, or use "
