@@ -44,3 +44,22 @@ def test_array_source_takes_several_inputs_and_targets():
     with pytest.raises(DataError, match=r"train_features\['a'\] \[6\] and "
                                              r"train_features\['b'\] \[5\] and train_labels \[6\]"):
         ArraySource({"a": np.zeros(6), "b": np.zeros(5)}, np.zeros(6, np.int64))
+
+
+def test_targets_that_are_not_finite_are_refused_with_the_first_examples_position():
+    """A NaN target reached the loss (a class-index loss cast it to -2**63 and failed at the update
+    that read it, naming neither NaN nor the example); an inf as well."""
+    features = np.zeros((6, 2), np.float32)
+    one_hot = np.eye(3, dtype=np.float32)[[0, 1, 2, 0, 1, 2]]
+    one_hot[4, 2] = np.nan
+    one_hot[5, 0] = np.nan
+    with pytest.raises(DataError) as error:
+        ArraySource(features, one_hot)
+    assert str(error.value) == "train_labels: example 4 holds nan; targets must be finite numbers"
+    several = {"class": np.zeros(6, np.float32), "box": np.ones((6, 4), np.float64)}
+    held_out = {"class": several["class"], "box": several["box"].copy()}
+    held_out["box"][3, 1] = -np.inf
+    with pytest.raises(DataError) as error:
+        ArraySource(features, several, eval_features=features, eval_labels=held_out)
+    assert str(error.value) == ("eval_labels['box']: example 3 holds -inf; targets must be finite "
+                                "numbers")

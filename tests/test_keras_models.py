@@ -7,6 +7,7 @@ import pytest
 import tensorflow as tf
 
 import tower_train
+import tower_train.keras
 from tower_train import keras_model
 from keras_reference import (CLASSES, EXAMPLES, FEATURES, G, LR, SGD_OPTIONS, UPDATES, arrays, assert_same_weights, functional,
                              keras_fit, sequential, with_weights)
@@ -475,3 +476,63 @@ def test_float16_layers_in_a_run_that_scales_no_loss_are_named_in_one_warning(tm
             ": half compute in float16 (their dtype policy), but the loss is scaled only "
             "with --precision=fp16 (this run: fp32), so small gradients may underflow to 0; make "
             "the model under float32, or train with precision='fp16' and model=lambda: ...")
+
+
+def sigmoid() -> keras.Sequential:
+    return keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(1, activation="sigmoid")])
+
+
+def float_labels(**changed):
+    """arrays() with float32 labels, `changed` as {"at_<example>": label}."""
+    x, y = arrays()
+    y = y.astype(np.float32)
+    for at, label in changed.items():
+        y[int(at.removeprefix("at_"))] = label
+    return x, y
+
+
+SPARSE_TAKES = ("sparse_categorical_crossentropy cannot read: it takes class indices, whole numbers "
+                "in 0..2 (the outputs' last dimension is 3)")
+UNREADABLE_LABELS = [
+    (sequential, "sparse_categorical_crossentropy", dict(data=float_labels(at_5=np.nan)),
+     "train_labels: example 5 holds nan; targets must be finite numbers"),
+    (sequential, "sparse_categorical_crossentropy", dict(data=float_labels(at_9=3.0)),
+     f"train_labels: example 9 holds 3.0, which {SPARSE_TAKES}"),
+    (sequential, keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+     dict(data=float_labels(at_7=1.5)), f"train_labels: example 7 holds 1.5, which {SPARSE_TAKES}"),
+    (sequential, "sparse_categorical_crossentropy",
+     dict(data=float_labels(), eval_data=float_labels(at_3=-1.0)),
+     f"eval_labels: example 3 holds -1.0, which {SPARSE_TAKES}"),
+    (sequential, keras.losses.SparseCategoricalCrossentropy(ignore_class=-1),
+     dict(data=float_labels(at_2=-1.0, at_4=-2.0)),
+     f"train_labels: example 4 holds -2.0, which {SPARSE_TAKES} or ignore_class=-1"),
+    # Integer labels of a 1-unit sigmoid are targets, as floats (docs/data.md).
+    (sigmoid, "binary_crossentropy", dict(data=(arrays()[0], np.minimum(np.arange(EXAMPLES) - 4, 1))),
+     "train_labels: example 0 holds -4.0, which binary_crossentropy cannot read: it takes "
+     "probabilities of class 1, in [0, 1]"),
+]
+
+
+@pytest.mark.parametrize("make,loss,data,message", UNREADABLE_LABELS,
+                         ids=[m[:40] for *_, m in UNREADABLE_LABELS])
+def test_labels_a_keras_loss_cannot_read_are_refused_with_the_example_before_the_first_update(
+        tmp_path, make, loss, data, message):
+    """A NaN, a class the outputs do not have, a fraction or a negative label were cast by the
+    loss: a NaN ended at the update that read it in "Received a label value of
+    -9223372036854775808 which is outside the valid range of [0, 3)", the others trained."""
+    train_dir = tmp_path / "run"
+    with pytest.raises(tower_train.UsageError) as error:
+        tower_train.fit(model=make(), loss=loss, train_dir=train_dir, num_gpus=2, batch_size=4,
+                        max_steps=1, **data)
+    assert str(error.value) == message
+    assert not train_dir.exists()  # before anything is written
+
+
+def test_keras_fit_refuses_a_class_the_model_has_not_with_the_example():
+    x, y = arrays()
+    y[9] = CLASSES + 2
+    model = sequential()
+    model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    with pytest.raises(tower_train.UsageError) as error:
+        tower_train.keras.fit(model, x, y, batch_size=8, num_gpus=2, verbose=0)
+    assert str(error.value) == (f"train_labels[0]: example 9 holds 5, which {SPARSE_TAKES}")

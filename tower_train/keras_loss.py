@@ -75,6 +75,20 @@ class CompiledLoss:
             total += losses * weight
         return total
 
+    def labels_read(self, labels: tuple[Any, Any]) -> list[tuple[str, Any, Any, int]]:
+        """(path, labels, loss, classes) for each output's labels in a source's `(y,
+        sample_weight)` arrays, with its loss and the last dimension of its outputs: what
+        `keras_model.check_labels` checks."""
+        y = labels[0]
+        arrays = _in_order(y, self._names, "y")
+        if isinstance(y, dict):
+            keys = self._names if all(name in y for name in self._names) else list(y)  # as _in_order
+            paths = [f"[0][{key!r}]" for key in keys]
+        else:
+            paths = [f"[0][{i}]" for i in range(len(arrays))] if isinstance(y, (list, tuple)) else ["[0]"]
+        return [(paths[index], arrays[index], loss, self._shapes[index][-1])
+                for index, loss, _ in self._losses if self._shapes[index]]
+
 
 def _output_names(model: keras.Model, outputs: Any) -> list[str]:
     """The names of the model's outputs, in `tf.nest`'s order of `outputs`."""

@@ -17,10 +17,13 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import keras
+import numpy as np
 import tensorflow as tf
 from absl import logging
 from keras.src.losses.losses import LossFunctionWrapper  # what compile() wraps a loss name in
 
+from tower_train.data.array_source import ArraySource
+from tower_train.data.source import Source
 from tower_train.errors import UsageError
 from tower_train.models import TowerModel
 
@@ -49,6 +52,16 @@ class KerasModel(TowerModel):
 
     def per_example_loss(self, labels: tf.Tensor, logits: tf.Tensor) -> tf.Tensor:
         return self._per_label_loss(labels, tf.cast(logits, tf.float32))
+
+    def labels_read(self, labels: Any, logits: tf.Tensor) -> list[tuple[str, np.ndarray, Any, int]]:
+        """(path, labels, loss, classes) for each array of a source's `labels` that a loss reads,
+        with that loss and the last dimension of the outputs it reads them against (a loss per
+        output says its own: `CompiledLoss.labels_read`)."""
+        if hasattr(self._per_label_loss, "labels_read"):
+            return self._per_label_loss.labels_read(labels)
+        if tf.nest.is_nested(labels) or logits.shape.rank < 2:
+            return []
+        return [("", labels, self._per_label_loss, logits.shape[-1])]
 
 
 def pack_outputs(outputs: Any) -> tf.Tensor:
@@ -102,6 +115,47 @@ def unreduced_copy(loss: keras.losses.Loss) -> keras.losses.Loss:
     unreduced.__dict__.update(vars(loss))
     unreduced.reduction = None
     return unreduced
+
+
+def label_rule(loss: Any, classes: int) -> tuple[Callable[[np.ndarray], np.ndarray], str] | None:
+    """How Keras's `loss` reads labels against outputs whose last dimension is `classes`: a
+    function of float64 labels that is True where they are valid, and what the loss takes, in
+    words; None for any other loss, whose labels only it knows. Sparse categorical crossentropy
+    casts labels to class indices (a NaN to -2**63, which fails only at the update that reads
+    it, naming neither NaN nor the example; 2.5 to 2); binary crossentropy takes the
+    probability of class 1 (a label of 3 would train, wrongly, without a word)."""
+    function = getattr(loss, "fn", loss)  # compile()'s and a Loss class's LossFunctionWrapper
+    if function is keras.losses.sparse_categorical_crossentropy:
+        ignored = getattr(loss, "_fn_kwargs", {}).get("ignore_class")
+        return (lambda labels: ((labels >= 0) & (labels < classes) & (labels == np.floor(labels)))
+                | (labels == ignored),
+                f"class indices, whole numbers in 0..{classes - 1} (the outputs' last dimension "
+                f"is {classes}){'' if ignored is None else f' or ignore_class={ignored}'}")
+    if function in (keras.losses.binary_crossentropy, keras.losses.binary_focal_crossentropy):
+        return lambda labels: (labels >= 0) & (labels <= 1), "probabilities of class 1, in [0, 1]"
+    return None
+
+
+def check_labels(model: TowerModel, logits: tf.Tensor, source: Source) -> None:
+    """Refuses, in one line naming the first such example, labels held in memory (an
+    ArraySource's, train and eval) that the Keras loss of `model` cannot read (`label_rule`):
+    before the first update, not at the update that reads them. A stream's labels are
+    integers, checked against its classes as they are read (data/source.py)."""
+    if not isinstance(model, KerasModel) or not isinstance(source, ArraySource):
+        return
+    for split, labels in (("train", source.train_labels), ("eval", source.eval_labels)):
+        for path, array, loss, classes in model.labels_read(labels, logits):
+            rule = label_rule(loss, classes)
+            if rule is None:
+                continue
+            valid, takes = rule
+            with np.errstate(invalid="ignore"):  # NaN compares False: invalid, as it should
+                bad = np.argwhere(~valid(np.asarray(array, np.float64)))
+            if len(bad):
+                name = getattr(getattr(loss, "fn", loss), "__name__", type(loss).__name__)
+                raise UsageError(f"{split}_labels{path}: example {bad[0][0]} holds "
+                                 f"{array[tuple(bad[0])]}, which {name} cannot read: it takes "
+                                 f"{takes}")
 
 
 def check_network(network: keras.Model, what: str, config) -> None:

@@ -24,8 +24,8 @@ from tower_train.config import MODE_RULES, ONE_PROCESS_MODES, OPTIMIZERS, TrainC
 from tower_train.data.source import Source, describe_nest
 from tower_train.errors import UsageError
 from tower_train.training.eval_checkpoint import model_label
-from tower_train.keras_model import (KerasModel, PerLabelLoss, check_network, clone_instance,
-                                     hand_back_instance, per_label_loss)
+from tower_train.keras_model import (KerasModel, PerLabelLoss, check_labels, check_network,
+                                     clone_instance, hand_back_instance, per_label_loss)
 from tower_train.models import TowerModel, model_class, registered_loss
 from tower_train.user_code import UserCodeError, call_user_code
 
@@ -313,6 +313,7 @@ def build_model(spec: ModelSpec, source: Source, config: TrainConfig,
     if training:
         warn_of_unused_overrides(what, model, loss_name)
         check_training_pass(what, model, example, labels)
+        check_labels(model, logits, source)
     if config.recompute and model.adds_batch_losses:
         raise UsageError(f"--recompute: {what} adds losses of the batch through Keras (add_loss, "
                          "activity_regularizer), which a recomputed block would drop; train it "

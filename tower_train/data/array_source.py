@@ -139,6 +139,11 @@ def _split_arrays(split: str, features, labels, weights) -> tuple[object, object
         for path, leaf in _leaves(labels):
             if not np.issubdtype(leaf.dtype, np.number) and leaf.dtype != bool:
                 raise DataError(f"{split}_labels{path} are {leaf.dtype}: targets must be numbers")
+            # A NaN would reach the loss as it is, or as -2**63 where it is cast to a class.
+            bad = np.argwhere(~np.isfinite(leaf)) if np.issubdtype(leaf.dtype, np.inexact) else ()
+            if len(bad):
+                raise DataError(f"{split}_labels{path}: example {bad[0][0]} holds "
+                                f"{leaf[tuple(bad[0])]}; targets must be finite numbers")
         weight_shape = [examples]  # one weight per example, as Keras's sample_weight
     else:
         if labels.size and labels.min() < 0:
