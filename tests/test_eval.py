@@ -23,9 +23,7 @@ from tower_train.data import catalog
 from tower_train.data import image_sets
 from tower_train.training.run_record import TrainDirLock
 from tower_train.errors import UsageError
-from tower_train.training.held_out import (check_metrics, evaluate, make_metrics, shard_bounds,
-                                           shard_pass, use_moving_average)
-from tower_train.step.schedules import MovingAverage
+from tower_train.training.held_out import check_metrics, evaluate, make_metrics, shard_bounds, shard_pass
 from test_cli_errors import ROOT, run_cli
 
 TOWERS = ("/cpu:1", "/cpu:2", "/cpu:3")  # conftest made /cpu:0..8
@@ -250,18 +248,6 @@ def test_check_metrics_makes_no_metric_so_fit_can_still_split_the_devices(tmp_pa
     result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
                             timeout=120, cwd=ROOT)
     assert result.returncode == 0, result.stderr
-
-
-def test_use_moving_average_copies_the_averages_into_the_weights():
-    with tf.device("/cpu:0"):
-        model = models.model_class("cifar10_cnn")(num_classes=10)
-        model(tf.zeros([1, 24, 24, 3]))
-        average = MovingAverage(model.trainable_variables, 0.9)
-    for a in average.averages:
-        a.assign(tf.fill(a.shape, 0.5))
-    use_moving_average(model, average)
-    for w in model.trainable_variables:
-        np.testing.assert_array_equal(w.numpy(), np.full(w.shape, 0.5, np.float32))
 
 
 # ------------------------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """What `model_spec` makes of a model beyond its shapes: Keras weight regularizers count once per
 update, and the losses a call adds through Keras (activity regularizers, add_loss) as their mean over
-the update's examples, as Keras's own loss on the one big batch counts them, in every layout."""
+the update's examples, as Keras's own loss on the one big batch counts them, in every layout; and the
+moving averages copied into a model's weights for evaluation and export."""
 import os
 
 import keras
@@ -9,6 +10,9 @@ import pytest
 import tensorflow as tf
 
 import tower_train
+from tower_train.model_spec import use_moving_average
+from tower_train.models import model_class
+from tower_train.step.schedules import MovingAverage
 from helpers import make_run, weights
 from test_weighted import CLASSES, G, LR, Tagger, series_source, token_source
 
@@ -146,3 +150,15 @@ def test_a_loss_of_the_batch_first_added_after_the_start_up_trace_is_one_line_no
                                 "activity_regularizer) that its start-up trace did not; add them in "
                                 "every training call")
     assert not any(name.startswith("ckpt-") for name in os.listdir(tmp_path / "run"))
+
+
+def test_use_moving_average_copies_the_averages_into_the_weights():
+    with tf.device("/cpu:0"):
+        model = model_class("cifar10_cnn")(num_classes=10)
+        model(tf.zeros([1, 24, 24, 3]))
+        average = MovingAverage(model.trainable_variables, 0.9)
+    for a in average.averages:
+        a.assign(tf.fill(a.shape, 0.5))
+    use_moving_average(model, average)
+    for w in model.trainable_variables:
+        np.testing.assert_array_equal(w.numpy(), np.full(w.shape, 0.5, np.float32))

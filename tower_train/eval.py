@@ -85,7 +85,7 @@ def evaluate_checkpoint(model: object = None, data: object = None, *, checkpoint
 
     from tower_train.data import catalog
     from tower_train.training import held_out
-    from tower_train.model_spec import build_model, resolve_model
+    from tower_train.model_spec import build_model, resolve_model, use_moving_average
     from tower_train.step.schedules import MovingAverage
 
     info = eval_checkpoint.find_checkpoint(checkpoint, config.train_dir)
@@ -115,7 +115,7 @@ def evaluate_checkpoint(model: object = None, data: object = None, *, checkpoint
     logging.info("%s", plan.message)
     logging.info("%s", describe_weights(info.path, info.has_moving_average, use_ema))
     if average is not None:
-        held_out.use_moving_average(net, average)
+        use_moving_average(net, average)
     return held_out.evaluate(net, source, config.eval_batch_size, plan.tower_devices, metrics)
 
 

@@ -32,8 +32,7 @@ from absl import logging
 from tower_train.config import TrainConfig, check_export_dir
 from tower_train.data.source import Source
 from tower_train.errors import UsageError
-from tower_train.training.held_out import use_moving_average
-from tower_train.model_spec import ModelSpec, build_model
+from tower_train.model_spec import ModelSpec, build_model, use_moving_average
 
 
 class ServingModule(tf.Module):

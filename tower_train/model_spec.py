@@ -23,7 +23,6 @@ from absl import logging
 from tower_train.config import MODE_RULES, ONE_PROCESS_MODES, OPTIMIZERS, TrainConfig
 from tower_train.data.source import Source, describe_nest
 from tower_train.errors import UsageError
-from tower_train.training.eval_checkpoint import model_label
 from tower_train.keras_model import (KerasModel, PerLabelLoss, check_labels, check_network,
                                      clone_instance, hand_back_instance, per_label_loss)
 from tower_train.models import TowerModel, model_class, registered_loss
@@ -39,6 +38,25 @@ def users_network(trained: TowerModel) -> keras.Model:
     """The network a run hands back for a model the run made: a TowerModel as it is, a plain
     keras.Model (from a callable) without the wrapper."""
     return trained.network if isinstance(trained, KerasModel) else trained
+
+
+def model_label(name: str) -> str:
+    """How messages name a model: --model=NAME for a registered one, model=module.Class else."""
+    return f"model={name}" if "." in name else f"--model={name}"
+
+
+def use_moving_average(model: keras.Model, moving_average) -> None:
+    """Copies the moving averages into `model`'s trainable weights, in place.
+
+    For evaluating or exporting the averaged weights. The averages were created
+    from `model.trainable_variables`, in that order (`schedules.MovingAverage`).
+    """
+    weights = model.trainable_variables
+    averages = moving_average.averages
+    if len(weights) != len(averages):
+        raise ValueError(f"{len(averages)} moving averages for {len(weights)} trainable weights")
+    for weight, average in zip(weights, averages):
+        weight.assign(tf.convert_to_tensor(average))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,6 +13,7 @@ import tensorflow as tf
 
 from tower_train.training.checkpoints import READ_ERRORS, checkpoint_numbers, shape_mismatch
 from tower_train.errors import UsageError, first_line
+from tower_train.model_spec import model_label
 from tower_train.training.run_record import RUN_FILE, RunRecord
 
 # Where a checkpoint holds what evaluation restores.
@@ -68,11 +69,6 @@ def check_named_checkpoint(checkpoint: str | None, train_dir: str, model: str) -
         hint = model_label(trained) + (f" --model_module={module}" if module else "")
         raise UsageError(f"{flag}: its checkpoints are of {model_label(trained)} (says "
                          f"{os.path.join(directory, RUN_FILE)}), not {model_label(model)}; pass {hint}")
-
-
-def model_label(name: str) -> str:
-    """How messages name a model: --model=NAME for a registered one, model=module.Class else."""
-    return f"model={name}" if "." in name else f"--model={name}"
 
 
 class CheckpointGone(UsageError):

@@ -288,20 +288,6 @@ def evaluate(model, source: Source, batch_size: int, devices: Sequence[str],
                       {metric.name: float(metric.result()) for metric in metrics})
 
 
-def use_moving_average(model, moving_average) -> None:
-    """Copies the moving averages into `model`'s trainable weights, in place.
-
-    For evaluating or exporting the averaged weights. The averages were created
-    from `model.trainable_variables`, in that order (`schedules.MovingAverage`).
-    """
-    weights = model.trainable_variables
-    averages = moving_average.averages
-    if len(weights) != len(averages):
-        raise ValueError(f"{len(averages)} moving averages for {len(weights)} trainable weights")
-    for weight, average in zip(weights, averages):
-        weight.assign(tf.convert_to_tensor(average))
-
-
 class EvaluationHook(Hook):
     """A Controller hook (hooks.py): held-out precision, loss and metrics every `every` updates
     (not at the last: training evaluates then), whose values it hands the hooks after it."""

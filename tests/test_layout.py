@@ -1,0 +1,111 @@
+"""What docs/layout.md says of the code's shape, read from the files: no module of `tower_train`
+(its `models/` included) is part of an import cycle, and every import follows the section "Which
+layer imports which", so no arrow points back up."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+# Where each part of the installed package lives (setup.cfg's package_dir: models/ is tower_train.models).
+SOURCES = {"": ROOT / "tower_train", "models": ROOT / "models"}
+
+# "Which layer imports which": what each package imports outside itself. A name allows that module
+# and, for a package, the modules in it.
+PACKAGE_IMPORTS = {
+    "workers": {"errors"},
+    "data": {"errors", "user_code"},
+    "models": {"errors", "user_code"},
+    "step": {"data.source", "workers.cluster", "models.base", "config", "devices", "errors"},
+    "training": {"step", "data.source", "workers", "models",
+                 "config", "errors", "export", "model_spec", "numerics", "user_code"},
+}
+# The top level's shared modules: those the packages import, and what these import of the top
+# level in turn. Of the packages they import only these, which import none of them.
+SHARED = {"config", "devices", "errors", "export", "keras_model", "model_spec", "numerics", "user_code"}
+SHARED_IMPORTS = {"data", "models"}
+
+
+def package_modules() -> dict[str, pathlib.Path]:
+    """Every module of tower_train by its dotted name under it ('data.catalog', 'models.base'; a
+    package by its own name; '' for tower_train/__init__.py)."""
+    modules = {}
+    for prefix, folder in SOURCES.items():
+        for path in folder.rglob("*.py"):
+            parts = path.relative_to(folder).with_suffix("").parts
+            parts = (prefix,) * bool(prefix) + (parts[:-1] if parts[-1] == "__init__" else parts)
+            modules[".".join(parts)] = path
+    return modules
+
+
+def imported_modules(path: pathlib.Path, modules) -> set[str]:
+    """The tower_train modules that `path` imports anywhere in it, functions included."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("tower_train"):
+            base = node.module.removeprefix("tower_train").removeprefix(".")
+            for alias in node.names:
+                full = f"{base}.{alias.name}" if base else alias.name
+                names.add(full if full in modules else base)
+        elif isinstance(node, ast.Import):
+            names |= {a.name.removeprefix("tower_train.") for a in node.names if a.name.startswith("tower_train.")}
+    return names & modules.keys()
+
+
+def import_graph() -> dict[str, set[str]]:
+    modules = package_modules()
+    return {name: imported_modules(path, modules) - {name} for name, path in modules.items()}
+
+
+def package(module: str) -> str | None:
+    """The package of PACKAGE_IMPORTS that `module` is in; None for the top level."""
+    first = module.split(".")[0]
+    return first if first in PACKAGE_IMPORTS else None
+
+
+def allowed(module: str, names: set[str]) -> bool:
+    return any(module == name or module.startswith(name + ".") for name in names)
+
+
+def test_the_graph_holds_both_folders_and_function_level_imports():
+    graph = import_graph()
+    assert {"data.image_sets", "data.text_sets"} <= graph["data.catalog"]
+    assert "data.source" in graph["data.image_sets"]
+    assert {"models.base", "models.registry"} <= graph["models.cifar10_cnn"]
+    assert "models.base" in graph["models.registry"]  # imported inside register()
+
+
+def test_no_module_of_tower_train_or_its_models_is_part_of_an_import_cycle():
+    graph = import_graph()
+
+    def reaches(start: str, goal: str, seen: set[str]) -> bool:
+        return any(nxt == goal or (nxt not in seen and reaches(nxt, goal, seen | {nxt}))
+                   for nxt in graph[start])
+
+    assert [name for name in graph if reaches(name, name, {name})] == []
+
+
+def test_each_package_imports_outside_itself_only_what_layout_md_allows_it():
+    graph = import_graph()
+    back_up = sorted((name, imported) for name, imports in graph.items() if package(name)
+                     for imported in imports if package(imported) != package(name)
+                     and not allowed(imported, PACKAGE_IMPORTS[package(name)]))
+    assert back_up == []
+
+
+def test_the_top_levels_shared_modules_import_no_package_above_them():
+    graph = import_graph()
+    shared, todo = set(), [imported for name, imports in graph.items() if package(name)
+                           for imported in imports if package(imported) is None]
+    while todo:
+        name = todo.pop()
+        if name not in shared:
+            shared.add(name)
+            todo += [imported for imported in graph[name] if package(imported) is None]
+    assert shared == SHARED
+    back_up = sorted((name, imported) for name in shared for imported in graph[name]
+                     if package(imported) and not allowed(imported, SHARED_IMPORTS))
+    assert back_up == []
+    section = (ROOT / "docs" / "layout.md").read_text().split("## Which layer imports which")[1].split("\n## ")[0]
+    assert [name for name in sorted(SHARED) if f"`{name}.py`" not in section] == []
