@@ -1,15 +1,18 @@
 """tower_train.flags in this process: one flag per TrainConfig field with the field's type,
 default and help; the parsed flags as the config; every recipe in flags/ parsed into the values its
-file writes; the launcher's own flag set. Each test leaves the global flags unparsed."""
+file writes; the launcher's own flag set; the benchmark's measures as flags.md lists them. Each
+test leaves the global flags unparsed."""
 import dataclasses
 import glob
 import os
+import re
 import typing
 
 import pytest
 from absl import flags
 
 from tower_train import flags as tt_flags
+from tower_train.benchmark.names import MEASURES
 from tower_train.config import TrainConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -93,3 +96,9 @@ def test_the_launchers_flags_are_a_set_of_their_own():
     assert sorted(holders) == ["help", "port", "workers"] and set(launch_flags) == {"workers", "port",
                                                                                    "help", "h"}
     assert "workers" not in flags.FLAGS and "num_gpus" not in launch_flags
+
+
+def test_flags_md_lists_each_measure_of_the_benchmark():
+    with open(os.path.join(ROOT, "docs", "flags.md")) as f:
+        listed = re.search(r"`--measure` \(([^)]*)\)", f.read()).group(1)
+    assert re.findall(r"`(\w+)`", listed) == list(MEASURES)

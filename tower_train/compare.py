@@ -231,7 +231,7 @@ def _compare(argv: list[str]) -> int:
     print(format_table(rows, global_batch, config.max_steps, warmup))
     if own_flags["plot"].value:
         if importlib.util.find_spec("matplotlib") is None:
-            logging.info("no plot: matplotlib is not installed (pip install -e .[plot])")
+            logging.info("no plot: matplotlib is not installed (pip install -e '.[plot]')")
         else:
             path = os.path.join(config.train_dir, PLOT_NAME)
             plot(runs, rows, global_batch, path)

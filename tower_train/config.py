@@ -141,10 +141,10 @@ class TrainConfig:
     dataset: str = option(
         "synthetic", "Registered data set: synthetic (embedded), cifar10 (binary files in "
         "--data_dir), or one that --data_module registers.", main=True)
-    # Imported first, so that its @tower_train.data.source.register runs before --dataset is looked up.
+    # Imported first, so that its @tower_train.data.register runs before --dataset is looked up.
     data_module: str | None = option(
         None, "Python module to import before looking up --dataset (the current directory is "
-        "searched first), so that its @tower_train.data.source.register runs.", main=True)
+        "searched first), so that its @tower_train.data.register runs.", main=True)
     # Only --dataset=cifar10 reads files.
     data_dir: str | None = option(
         None, "Directory of the CIFAR-10 binary files (--dataset=cifar10 only).")

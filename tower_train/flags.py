@@ -72,7 +72,7 @@ def define_compare_flags() -> dict[str, flags.FlagHolder]:
         "warmup_updates": _define_warmup_updates(),
         "plot": flags.DEFINE_bool(
             "plot", True,
-            "Also write <train_dir>/compare.png (needs matplotlib: pip install -e .[plot])."),
+            "Also write <train_dir>/compare.png (needs matplotlib: pip install -e '.[plot]')."),
     }
 
 

@@ -1,7 +1,7 @@
 """The data sets a run names with ``--dataset``: the built-in image sets (``synthetic``,
 ``cifar10``, `tower_train.data.image_sets`), the built-in sequence set (``markov_text``,
 `tower_train.data.text_sets`) and those a user's module registers with
-`tower_train.data.source.register`.
+`tower_train.data.register`.
 
 It imports the built-in sets and `tower_train.data.source`; neither imports it back.
 """
