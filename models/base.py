@@ -44,7 +44,7 @@ class TowerModel(keras.Model):
         sum(w * per_example_loss) / sum(w) over all its labels  +  regularization()
 
     so the regularization counts once per update, whatever the number of
-    towers and micro-steps (see tower_train/towers.py). Keras weight regularizers
+    towers and micro-steps (see tower_train/step/towers.py). Keras weight regularizers
     (a layer's kernel_regularizer) count with it (`update_regularization`). Losses
     a call adds through Keras (`add_loss`, activity regularizers: `batch_losses`)
     are taken as means over the call's examples, and an update adds their mean
@@ -100,7 +100,7 @@ class TowerModel(keras.Model):
 
         Tower mode uses `weights` to run a tower on its own copy of the weights; every mode
         passes `seeds`, so that a tower pass's randomness is a function of its seeds alone
-        (tower_train/towers.py). A draw advances its generator's state inside the scope only.
+        (tower_train/step/towers.py). A draw advances its generator's state inside the scope only.
         The other non-trainable variables (BN's moving statistics: `state_variables`) stay the
         real ones: they are read as usual, and what the calls assign to them is written to them
         on exit, in the order of `non_trainable_variables`, so they move once per call, as

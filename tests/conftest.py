@@ -62,7 +62,7 @@ def pytest_collection_modifyitems(config, items):
         for item in bf16:
             item.add_marker(no_bf16)
     if not PHYSICAL_GPUS:
-        no_gpu = pytest.mark.skip(reason="needs a GPU (tests/test_gpu.py; ../shared/gpu/README.md)")
+        no_gpu = pytest.mark.skip(reason="needs a GPU (tests/test_gpu.py; docs/gpu.md#the-gpu-tests)")
         for item in items:
             if item.get_closest_marker("gpu") is not None:
                 item.add_marker(no_gpu)

@@ -109,6 +109,6 @@ def test_the_log_keeps_tensorflows_errors_and_drops_its_info_and_warnings():
     assert not cli._no_tensorflow_info(record(logging.INFO, tensorflow_file))
     assert not cli._no_tensorflow_info(record(logging.WARNING, tensorflow_file))
     assert cli._no_tensorflow_info(record(logging.ERROR, tensorflow_file))
-    product_file = os.path.join("tower_train", "trainer.py")
+    product_file = os.path.join("tower_train", "training", "controller.py")
     assert cli._no_tensorflow_info(record(logging.INFO, product_file))
     assert cli._no_tensorflow_info(record(logging.WARNING, product_file))

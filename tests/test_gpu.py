@@ -1,7 +1,7 @@
 """What tower-train does on a real GPU: marked `gpu`, skipped where none is visible (CI). Each runs
 a command in a child process, since this test process hides its GPUs (tests/conftest.py); the
-child is the installed product, run from a scratch directory. ../shared/gpu/README.md says how to
-run them on a GPU machine."""
+child is the installed product, run from a scratch directory. docs/gpu.md ("The GPU tests") says
+how to run them on a GPU machine."""
 import json
 import os
 import re

@@ -1,11 +1,13 @@
 """What docs/layout.md says of the code's shape, read from the files: no module of `tower_train`
 (its `models/` included) is part of an import cycle, and every import follows the section "Which
-layer imports which", so no arrow points back up."""
+layer imports which", so no arrow points back up. And every module path that README.md, docs/ and
+the code's docstrings and comments name exists."""
 
 from __future__ import annotations
 
 import ast
 import pathlib
+import re
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 # Where each part of the installed package lives (setup.cfg's package_dir: models/ is tower_train.models).
@@ -109,3 +111,59 @@ def test_the_top_levels_shared_modules_import_no_package_above_them():
     assert back_up == []
     section = (ROOT / "docs" / "layout.md").read_text().split("## Which layer imports which")[1].split("\n## ")[0]
     assert [name for name in sorted(SHARED) if f"`{name}.py`" not in section] == []
+
+
+# What names the code's files: README.md, docs/, and the code's docstrings and comments.
+DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")),
+             *sorted(path for folder in ("tower_train", "models", "tests") for path in (ROOT / folder).rglob("*.py"))]
+# A path from the repository's root (`tests/helpers.py`) or from tower_train/ (`step/modes.py`): a
+# file or folder, or a module's path with a name it defines (`step/modes.build_mode`).
+PATH = re.compile(r"(?<![\w./<>$-])((?:\.ci|docs|flags|models|tests|tower_train|data|step|training|workers|benchmark)"
+                  r"(?:/\w[\w.*-]*)+)")
+# A module's dotted name, perhaps with a name it defines: tower_train.data.register.
+DOTTED = re.compile(r"(?<![\w./-])tower_train(?:\.\w+)+")
+
+
+def defined_names(path: pathlib.Path) -> set[str]:
+    """The names a module defines at its top level (a dict's keys too: `__init__.py`'s lazy names)."""
+    names = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names |= {name.id for target in targets for name in ast.walk(target) if isinstance(name, ast.Name)}
+            if isinstance(node.value, ast.Dict):
+                names |= {key.value for key in node.value.keys if isinstance(key, ast.Constant)}
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names |= {(alias.asname or alias.name).split(".")[0] for alias in node.names}
+    return names
+
+
+def path_exists(named: str) -> bool:
+    for base in (ROOT, ROOT / "tower_train"):
+        if (base / named).exists() or ("*" in named and any(base.glob(named))):
+            return True
+        folder, _, last = named.rpartition("/")
+        module, _, name = last.partition(".")
+        for file in (base / folder / f"{module}.py", base / folder / module / "__init__.py"):
+            if file.is_file() and (not name or name.split(".")[0] in defined_names(file)):
+                return True
+    return False
+
+
+def dotted_name_exists(named: str, modules: dict[str, pathlib.Path]) -> bool:
+    parts = named.removeprefix("tower_train").removeprefix(".").split(".")
+    longest = max(n for n in range(len(parts) + 1) if ".".join(parts[:n]) in modules)
+    return longest == len(parts) or parts[longest] in defined_names(modules[".".join(parts[:longest])])
+
+
+def test_every_module_path_the_docs_and_docstrings_name_exists():
+    modules = package_modules()
+    missing = []
+    for document in DOCUMENTS:
+        for number, line in enumerate(document.read_text().splitlines(), 1):
+            where = f"{document.relative_to(ROOT)}:{number}"
+            missing += [(named, where) for named in PATH.findall(line) if not path_exists(named.rstrip("."))]
+            missing += [(named, where) for named in DOTTED.findall(line) if not dotted_name_exists(named, modules)]
+    assert not missing, missing

@@ -1,7 +1,7 @@
 """One training run, built one way: the state a checkpoint holds, created in a mode's variable
 scope, the mode's inner step and the run's stream of micro-batches.
 
-Every place that trains or times updates builds its run here (`Run.create`): `trainer.train`,
+Every place that trains or times updates builds its run here (`Run.create`): `controller.train`,
 `compare`, the benchmark and the tests. The mode comes built (`modes.build_mode`), because a
 multi-worker strategy must be created before any other TensorFlow op runs.
 """
@@ -153,8 +153,8 @@ class Run:
 
     def batches(self) -> Iterator[Shards]:
         """The training stream from the state's position in it (`examples_seen`): this worker's
-        shard, in global micro-batches of this process's towers, raw (`data.RawInput`), cut into
-        the towers' shards, each prefetched to its tower if that is an accelerator
+        shard, in global micro-batches of this process's towers, raw (`data/source.RawInput`),
+        cut into the towers' shards, each prefetched to its tower if that is an accelerator
         (`InnerStep.feed`): the towers preprocess their shards on their own devices."""
         worker = self.mode.worker
         return self.inner.feed(self.source.train_stream(
