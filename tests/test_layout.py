@@ -24,7 +24,7 @@ PACKAGE_IMPORTS = {
                  "config", "errors", "export", "model_spec", "numerics", "user_code"},
 }
 # The top level's shared modules: those the packages import, and what these import of the top
-# level in turn. Of the packages they import only these, which import none of them.
+# level in turn. Of the packages they import only these two, the floor below step/ and training/.
 SHARED = {"config", "devices", "errors", "export", "keras_model", "model_spec", "numerics", "user_code"}
 SHARED_IMPORTS = {"data", "models"}
 
