@@ -251,14 +251,15 @@ def still_running(processes):
             if (stat := process_stat(pid)) is not None and stat[19] == started and stat[0] != "Z"]
 
 
-def caught_signals(pid):
-    """The signals `pid` has a handler for (/proc's SigCgt); None once it has exited."""
+def caught_signals(pid, mask="SigCgt"):
+    """The signals `pid` has a handler for (/proc's SigCgt), or another of its masks (SigIgn: those
+    it ignores); None once it has exited."""
     try:
         with open(f"/proc/{pid}/status") as f:
-            mask = int(re.search(r"^SigCgt:\s*([0-9a-f]+)$", f.read(), re.M)[1], 16)
+            bits = int(re.search(rf"^{mask}:\s*([0-9a-f]+)$", f.read(), re.M)[1], 16)
     except (FileNotFoundError, ProcessLookupError):
         return None
-    return {number for number in range(1, 65) if mask >> (number - 1) & 1}
+    return {number for number in range(1, 65) if bits >> (number - 1) & 1}
 
 
 @pytest.mark.cpu_only
@@ -301,6 +302,24 @@ def test_no_worker_outlives_a_launcher_killed_in_any_phase(tmp_path, phase):
     if phase == "training":  # both stopped after the same update, and the chief saved it
         saved = [int(m[1]) for m in map(re.compile(r"ckpt-(\d+)\.index$").match, os.listdir(tmp_path)) if m]
         assert saved and max(saved) >= 3, os.listdir(tmp_path)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc's signal masks")
+def test_a_launcher_under_nohup_keeps_sighup_ignored_and_its_workers_inherit_that(tmp_path):
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "tower_train.launch", "--workers=2", "--", "--num_gpus=1",
+         "--collective_timeout=60", f"--train_dir={tmp_path}"], cwd=ROOT, stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE, text=True, env={k: v for k, v in os.environ.items() if k != "TF_CONFIG"},
+        preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
+    seen = read_until(launcher, "started worker", timeout=60)  # the line is one write
+    ignored = [caught_signals(worker_pid(seen, i), "SigIgn") for i in (0, 1)]
+    # The two are pending together: a launcher that handled SIGHUP would pass it on first.
+    launcher.send_signal(signal.SIGHUP)
+    launcher.send_signal(signal.SIGTERM)
+    output = seen + finish(launcher, timeout=120)
+    assert all(signal.SIGHUP in worker for worker in ignored), (ignored, output)
+    assert "SIGHUP" not in output and "tower_train.launch: SIGTERM received: passed to every worker" \
+        in output, output
 
 
 @pytest.mark.cpu_only
@@ -377,6 +396,29 @@ def test_a_worker_leaving_early_with_status_0_is_named_not_the_peer_it_left(tmp_
     assert output.strip().splitlines()[-1].startswith(
         "tower_train.launch: worker 1/2 ended first: exited with status 0 before finishing (no `done:` "
         "line); exit statuses: "), output
+
+
+@pytest.mark.cpu_only
+def test_a_worker_still_starting_is_named_as_late_not_the_peer_that_waited_on_it(tmp_path):
+    """Worker 1 imports its --model_module for longer than worker 0 waits on it: worker 0's
+    watchdog ends it, naming worker 1 as not started yet; the launcher names worker 1, alive,
+    as still starting, and suggests a longer --collective_timeout."""
+    code = tmp_path / "slow_to_import.py"
+    code.write_text("import json, os, time\n"
+                    "if json.loads(os.environ['TF_CONFIG'])['task']['index'] == 1:\n"
+                    "    time.sleep(600)  # the launcher kills it first\n")
+    launcher = start_launcher("--workers=2", "--", "--num_gpus=1", "--collective_timeout=10",
+                              f"--model_module={code}", f"--train_dir={tmp_path / 'run'}")
+    output = finish(launcher, timeout=240)
+    late = re.search(r"worker 1/2 \(pid \d+\) on (\S+)", output)[1]
+    assert launcher.returncode == 128 + signal.SIGKILL, output
+    assert (f"[worker 0/2] tower_train: no progress for 10 s while waiting on the peers "
+            f"(--collective_timeout): peer(s) {late} (worker 1/2) not reachable: not started yet "
+            "(still starting, or never started); a longer --collective_timeout") in output, output
+    assert output.strip().splitlines()[-1].startswith(
+        "tower_train.launch: worker 1/2 was still starting (alive, not yet listening on its port) while "
+        "the others waited on it; worker 0/2 ended first: killed by SIGKILL (exit status 137); a longer "
+        "--collective_timeout (now 10 s) gives a slow start"), output
 
 
 @pytest.mark.cpu_only

@@ -20,10 +20,11 @@ EXACT = ["--num_gpus=2", "--accum=3", "--batch_size=8", "--optimizer=momentum", 
          "--deterministic", "--log_every=1", "--checkpoint_every=100"]
 
 
-def start(*args):
+def start(*args, preexec_fn=None):
     env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
     return subprocess.Popen([sys.executable, "-m", "tower_train", *args], cwd=ROOT, env=env,
-                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+                            preexec_fn=preexec_fn)
 
 
 def signal_after(process, line, number):
@@ -106,6 +107,25 @@ def test_sighup_stops_at_an_update_boundary_as_sigterm_does(tmp_path):
     assert last.startswith("tower_train: stopped by SIGHUP after update ") and "Traceback" not in log
     step = int(last.split("after update ")[1].split(";")[0])
     assert f"saved {tmp_path}/ckpt-{step}" in last and (tmp_path / f"ckpt-{step}.index").exists()
+
+
+def test_a_run_started_under_nohup_trains_on_through_sighup_and_stops_on_sigterm(tmp_path):
+    """SIGHUP ignored at the start (nohup) stays ignored; SIGTERM still stops the run, saved."""
+    nohup = start(*SMALL, "--max_steps=100000", f"--train_dir={tmp_path}",
+                  preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
+    try:
+        seen = read_until(nohup, "step 2, loss", timeout=300)
+        nohup.send_signal(signal.SIGHUP)
+        seen += read_until(nohup, "step 5, loss", timeout=300)  # a stop would have come at 2 or 3
+        nohup.send_signal(signal.SIGTERM)
+        log = seen + nohup.communicate(timeout=120)[1]
+    finally:
+        kill_running([nohup])
+    assert nohup.returncode == 128 + signal.SIGTERM, log[-2000:]
+    last = log.strip().splitlines()[-1]
+    assert last.startswith("tower_train: stopped by SIGTERM after update ") and "Traceback" not in log
+    step = int(last.split("after update ")[1].split(";")[0])
+    assert step >= 5 and (tmp_path / f"ckpt-{step}.index").exists()
 
 
 def test_a_second_signal_during_the_save_ends_the_run_at_once_and_silently(tmp_path):

@@ -15,6 +15,7 @@ import pytest
 from tower_train.training import stop_deadline
 
 WAIT = 60  # seconds any child is given before the test fails
+STOPS = ",".join(str(int(n)) for n in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP))  # a run's, as listen passes them
 
 
 @pytest.fixture
@@ -31,7 +32,7 @@ def start_deadline(run: subprocess.Popen, grace: float, train_dir) -> tuple[subp
     read_end, write_end = os.pipe()
     process = subprocess.Popen(
         [sys.executable, "-I", stop_deadline.__file__, str(run.pid), str(grace), str(train_dir),
-         "tower_train"], stdin=read_end, stderr=subprocess.PIPE, text=True)
+         "tower_train", STOPS], stdin=read_end, stderr=subprocess.PIPE, text=True)
     os.close(read_end)
     return process, write_end
 

@@ -268,7 +268,8 @@ def fit(model: object = None, data: object = None, *, num_classes: int | None = 
         objects, computed at every held-out evaluation over every held-out example once, beside
         precision @ 1 and the held-out loss (docs/models.md#held-out-metrics).
       stop: a `tower_train.training.stop_signals.StopSignals` to stop at an update boundary on SIGTERM,
-        SIGINT or SIGHUP (the CLI passes one); None leaves signals alone.
+        SIGINT or SIGHUP, SIGHUP only where it is not ignored (nohup); the CLI passes one. None
+        leaves signals alone.
       watchdog: told of progress and of local work (the CLI's multi-worker `PeerWatchdog`).
       show_progress: True: a live line when stderr is a terminal, and the run's log lines (the
         start, "resumed from", a progress line every log_every updates when stderr is no

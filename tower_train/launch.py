@@ -7,14 +7,18 @@ their output with every line led by its worker's tag (`[worker 1/2] ...`; progre
 the chief only), and waits for all of them:
 
 - SIGTERM, SIGINT or SIGHUP to the launcher is passed to every worker, which stop after the same
-  update and save (the signal rule of docs/faults-and-resume.md); a second one kills them.
+  update and save (the signal rule of docs/faults-and-resume.md); a second one kills them. Under
+  nohup (SIGHUP ignored) SIGHUP stays ignored, by the launcher and by the workers.
 - A worker that ends early (fails, is killed, stops, or exits 0 before its `done:` line) leaves
   the others to their own lost-peer handling (TF's collective timeout and the watchdog, both
   --collective_timeout); whichever still run --collective_timeout + 10 s later are killed. A
   worker refusing its input (status 2) ends the others at once. A worker suspended (SIGSTOP) is
-  said at once, and named as the cause when the others then end.
-- If the launcher itself dies, by any signal and at any time, every worker gets SIGHUP (on Linux):
-  one that trains stops after the current update and saves, one that starts ends at once.
+  said at once, and named as the cause when the others then end; so is one still starting (alive,
+  not yet listening on its port) when a worker that waited on it ends, with a longer
+  --collective_timeout suggested.
+- If the launcher itself dies, by any signal and at any time, every worker gets SIGUSR1 (on
+  Linux), a stop signal to it: one that trains stops after the current update and saves, one that
+  starts ends at once.
 - The exit status is the highest of the workers' (128 + n for a worker ended by signal n),
   leaving out those the launcher killed after another failed, and 1 if that is 0 but a worker
   ended early; one last line names the worker that ended first and how.
@@ -41,7 +45,8 @@ from typing import BinaryIO, Callable, Sequence
 from absl import flags
 
 from tower_train import cli
-from tower_train.workers import cluster
+from tower_train.training.stop_signals import stop_signals
+from tower_train.workers import cluster, peer_watchdog
 from tower_train import flags as tt_flags
 from tower_train.config import WORKERS_MODE, TrainConfig
 from tower_train.errors import UsageError
@@ -63,9 +68,10 @@ LOST_PEER_MARGIN = 10.0
 _PROGRESS_LINE = re.compile(rb"\[worker \d+/\d+\] step \d+, loss = ")
 # The trainer's last line of a run that finished; a worker's exit 0 without it came early.
 _DONE_LINE = re.compile(rb"\[worker \d+/\d+\] done: step \d+")
-_FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+# Every signal a worker may have stopped on: SIGHUP too, sent to a worker itself.
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
-_PARENT_DEATH_SIGNAL = signal.SIGHUP
+_PARENT_DEATH_SIGNAL = signal.SIGUSR1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,7 +144,7 @@ def launch(workers: int, training_args: Sequence[str], port: int | None = None,
     output = output or sys.stderr.buffer
     received: list[int] = []
     previous = {number: signal.signal(number, lambda number, frame: received.append(number))
-                for number in _FORWARDED}
+                for number in stop_signals()}
     try:
         group = _WorkerGroup(addresses, training_args, config.num_gpus, output)
         return group.wait(received, config.collective_timeout)
@@ -156,15 +162,17 @@ def gpus_of_worker(index: int, per_worker: int, visible: str | None) -> str:
 
 def _stop_when_the_launcher_dies(launcher: int) -> Callable[[], None] | None:
     """What a worker runs before it starts, on Linux: the launcher's death, however it comes
-    (SIGKILL included), sends the worker SIGHUP rather than leaving it to train with no one to
-    watch it. SIGHUP, not SIGTERM: from the moment TensorFlow loads until the run's stop handlers
-    are in place (the strategy's start-up, building, restoring), TensorFlow's coordination
-    service holds SIGTERM and drops it, while SIGHUP is one of the run's stop signals and ends a
-    worker that is not yet listening for it."""
+    (SIGKILL included), sends the worker SIGUSR1 rather than leaving it to train with no one to
+    watch it. The run takes its parent-death signal as a stop signal
+    (`stop_signals.parent_death_signal`), and until it listens, SIGUSR1's default action ends it
+    at once. Not SIGTERM: from the moment TensorFlow loads until the run's stop handlers are in
+    place (the strategy's start-up, building, restoring), TensorFlow's coordination service holds
+    SIGTERM and drops it. Not SIGHUP: under nohup the worker keeps it ignored."""
     if not sys.platform.startswith("linux"):
         return None
 
     def stop_with_the_parent() -> None:
+        signal.signal(_PARENT_DEATH_SIGNAL, signal.SIG_DFL)  # an ignored one would leave it deaf
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, _PARENT_DEATH_SIGNAL)
         if os.getppid() != launcher:  # it died before the line above
             os.kill(os.getpid(), _PARENT_DEATH_SIGNAL)
@@ -204,7 +212,7 @@ def how_it_ended(returncode: int, finished: bool, suspended_by: int | None = Non
 
 def _stopped_by_the_stop_rule(returncode: int) -> bool:
     """Whether a worker exited as the stop rule ends a run: 128 + the stop signal's number."""
-    return returncode - 128 in _FORWARDED
+    return returncode - 128 in _STOP_SIGNALS
 
 
 def _suspending_signal(pid: int) -> int | None:
@@ -224,8 +232,11 @@ class _WorkerGroup:
 
     def __init__(self, addresses: list[str], training_args: Sequence[str], gpus_per_worker: int,
                  output: BinaryIO):
-        self._count, self._output = len(addresses), output
+        self._count, self._output, self._addresses = len(addresses), output, addresses
         self._pending = [b""] * self._count  # each worker's unfinished last line
+        # Its server was seen accepting connections: it reached the strategy's start-up, which
+        # waits for every worker's.
+        self._listening = [False] * self._count
         self._finished = [False] * self._count  # its `done:` line was seen
         # The signal that last held each suspended, and when it was last seen so; whether it is now.
         self._suspension: list[tuple[int, float] | None] = [None] * self._count
@@ -295,6 +306,7 @@ class _WorkerGroup:
                     returncode = self._processes[index].poll()
                     if returncode is None:
                         self._watch_suspension(index)
+                        self._watch_start(index)
                         continue
                     self._drain(selector, index)  # its last lines, `done:` among them, came first
                     returncodes[index] = returncode
@@ -326,15 +338,30 @@ class _WorkerGroup:
         return self._result(returncodes, first_end, killed_after_failure, killed_at_once, forwarded)
 
     def _first_end(self, index: int, how: str, running: list[int], collective_timeout: float) -> str:
-        """Who ended first and how, in words; led by a peer that was suspended while the others
-        waited on it, whose doing their end then is."""
+        """Who ended first and how, in words; led by a peer that was suspended, or still starting,
+        while the others waited on it, whose doing their end then is."""
         first_end = f"{self._name(index)} ended first: {how}"
-        for other in (i for i in running if i != index):
+        others = [i for i in running if i != index]
+        for other in others:
             suspended_by = self._suspended_within(other, collective_timeout)
             if suspended_by is not None:
                 return (f"{self._name(other)} was suspended by {signal.Signals(suspended_by).name} "
                         f"while the others waited on it; {first_end}")
+        # A worker that listened was in the strategy's start-up, waiting for the servers of those
+        # that never did; one still alive is late, not lost.
+        late = [i for i in others if self._listening[index] and not self._listening[i]
+                and self._processes[i].poll() is None]
+        if late:
+            return (f"{', '.join(map(self._name, late))} {'was' if len(late) == 1 else 'were'} still "
+                    "starting (alive, not yet listening on its port) while the others waited on it; "
+                    f"{first_end}; a longer --collective_timeout (now {collective_timeout:g} s) gives "
+                    "a slow start (a long --data_module import, say) time to finish")
         return first_end
+
+    def _watch_start(self, index: int) -> None:
+        """Notes that a running worker's server accepts connections, once it does."""
+        if not self._listening[index]:
+            self._listening[index] = not peer_watchdog.unreachable((self._addresses[index],))
 
     def _watch_suspension(self, index: int) -> None:
         """Notes, and says once, that a running worker is suspended (SIGSTOP, SIGTSTP): its peers

@@ -32,6 +32,11 @@ class WorkerInfo:
     def name(self) -> str:
         return f"worker {self.index}/{self.count}"
 
+    def peer_name(self, address: str) -> str:
+        """One of `peers` as "host:port (worker i/N)"."""
+        position = self.peers.index(address)
+        return f"{address} (worker {position + (position >= self.index)}/{self.count})"
+
 
 SINGLE_PROCESS = WorkerInfo()
 

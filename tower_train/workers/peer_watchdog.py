@@ -33,16 +33,22 @@ def unreachable(addresses: tuple[str, ...], timeout: float = 1.0) -> list[str]:
 PEER_EXIT_GRACE = 3.0
 
 
-def peer_trouble(worker: WorkerInfo) -> str:
+def peer_trouble(worker: WorkerInfo, starting: bool = False) -> str:
     """Which peers look lost, in words, for an error line: a peer is blamed only when it no
-    longer accepts connections."""
+    longer accepts connections. `starting`: the worker waits in the strategy's start-up, for
+    peers that have not all started their servers yet, and those may still be on their way."""
     deadline = time.monotonic() + PEER_EXIT_GRACE
     down = unreachable(worker.peers)
     while not down and time.monotonic() < deadline:
         time.sleep(0.25)
         down = unreachable(worker.peers)
+    named = ", ".join(map(worker.peer_name, down))
+    if down and starting:
+        return (f"peer(s) {named} not reachable: not started yet (still starting, or never started); "
+                "a longer --collective_timeout gives a slow start (a long --data_module import, "
+                "say) time to finish")
     if down:
-        return f"peer(s) {', '.join(down)} not reachable (never started, or died)"
+        return f"peer(s) {named} not reachable (ended, or died)"
     return (f"peers {', '.join(worker.peers)} still accept connections, so none is known lost: one is "
             "stuck, or its work between two waits takes longer than --collective_timeout allows")
 
@@ -141,6 +147,7 @@ class PeerWatchdog(PeerClock):
 def _watch(clock: int, stderr: int, worker_pid: int, worker: WorkerInfo, timeout: float,
            prog: str) -> int:
     timing = False  # TensorFlow's loading is local work; the first progress starts the clock
+    messages = 0  # the first is the strategy's start-up, which waits until every peer has started
     deadline = None
     filtered = _NativeLineFilter()
     open_fds = [clock, stderr]
@@ -154,7 +161,7 @@ def _watch(clock: int, stderr: int, worker_pid: int, worker: WorkerInfo, timeout
                         "while suspended (SIGSTOP, or the like): its own stall, not its peers'")
             else:
                 line = (f"[{worker.name}] no progress for {timeout:g} s while waiting on the peers "
-                        f"(--collective_timeout): {peer_trouble(worker)}")
+                        f"(--collective_timeout): {peer_trouble(worker, starting=messages == 1)}")
             _write_stderr(f"{prog}: {line}\n".encode())
             os.kill(worker_pid, signal.SIGKILL)
             return 1
@@ -166,6 +173,7 @@ def _watch(clock: int, stderr: int, worker_pid: int, worker: WorkerInfo, timeout
                 filtered.write(data)
             else:
                 timing = data[-1:] != _LOCAL
+                messages += len(data)
                 deadline = time.monotonic() + timeout
     filtered.flush()
     return 0
