@@ -22,7 +22,7 @@ Subclass it like this (see docs/models.md, "Adding a model"):
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import keras
 import tensorflow as tf
@@ -199,6 +199,18 @@ class TowerModel(keras.Model):
     def runs_blocks(self) -> bool:
         """Whether `call` has run a block through `run_block` (after the model's first call)."""
         return self._runs_blocks
+
+    @property
+    def tracks_training_metrics(self) -> bool:
+        """Whether `update_training_metrics` keeps anything (a Keras model's compiled metrics,
+        under tower_train.keras.fit); the steps then hand it every tower pass's outputs."""
+        return False
+
+    def update_training_metrics(self, labels: Any, logits: tf.Tensor) -> None:
+        """Adds one tower pass's labels and outputs (of the training call) to the training
+        metrics the model keeps. Called inside the compiled update, once per tower and
+        micro-step, so a metric's state sums over the update's G examples as Keras's train step
+        at G would keep it."""
 
     def per_example_loss(self, labels: tf.Tensor, logits: tf.Tensor) -> tf.Tensor:
         """int labels [B, ...], logits [B, ..., C] -> loss [B, ...]; softmax cross-entropy unless

@@ -149,14 +149,15 @@ def test_a_loss_per_output_with_loss_weights_equals_kerass_fit(targets, weighted
         np.testing.assert_allclose(history.history[key], values, rtol=1e-4, err_msg=key)
 
 
-def test_metrics_and_validation_are_kerass_with_kerass_names():
+@pytest.mark.parametrize("mode", ["tower", "mirrored"])
+def test_metrics_and_validation_are_kerass_with_kerass_names(mode):
     keras.utils.set_random_seed(4)
     initial = softmax().get_weights()
     x, y = data("softmax", seed=1)
     options = dict(batch_size=B * K, epochs=EPOCHS, validation_split=0.25, shuffle=False, verbose=0)
     want = compiled(softmax, initial, "categorical_crossentropy", ["accuracy"]).fit(x, y, **options)
     model = compiled(softmax, initial, "categorical_crossentropy", ["accuracy"])
-    history = tower_train.keras.fit(model, x, y, **{**options, "batch_size": B}, **LAYOUT)
+    history = tower_train.keras.fit(model, x, y, **{**options, "batch_size": B}, mode=mode, **LAYOUT)
     assert sorted(history.history) == sorted(want.history) == [
         "accuracy", "loss", "val_accuracy", "val_loss"]
     for key, values in want.history.items():
@@ -266,14 +267,16 @@ def test_the_validation_tells_the_callbacks_on_test_calls_at_validation_batch_si
 
 def printed(capsys, train) -> list[str]:
     """What `train()` printed to stdout, line by line, its times and figures replaced by # (they
-    vary from run to run); progress bars redrawn in place (\\r, \\b) kept as their last state."""
+    vary from run to run), a time's unit too (a busy machine turns ms into s); progress bars
+    redrawn in place (\\r, \\b) kept as their last state."""
     import re
 
     capsys.readouterr()
     train()
     lines = re.split(r"\n", capsys.readouterr().out)
     lines = [re.split(r"[\r\b]+", line)[-1] for line in lines]
-    return [re.sub(r"\d+(\.\d+)?(e[-+]\d+)?", "#", line).strip() for line in lines if line.strip()]
+    lines = [re.sub(r"\d+(\.\d+)?(e[-+]\d+)?", "#", line).strip() for line in lines if line.strip()]
+    return [re.sub(r"#(s|ms|us)\b", "#s", line) for line in lines]
 
 
 @pytest.mark.parametrize("verbose", [0, 1, 2, "auto"])
@@ -1048,3 +1051,42 @@ def test_an_optimizer_feature_spread_cannot_apply_is_one_usage_error_line(tmp_pa
         "of the optimizer that applies none of these; use --ps_device=cpu or gpu (or --clip_norm, "
         "--ema_decay)")
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("towers,accum,batch_size", [(1, 1, 32), (2, 2, 64)])
+def test_training_metrics_come_from_the_updates_own_training_pass(monkeypatch, towers, accum,
+                                                                  batch_size):
+    """The compiled metrics are updated inside the compiled update from the towers' outputs in
+    training mode: a BatchNorm model's training accuracy is Keras's at batch_size x accum (on
+    one tower exactly; on several, each normalizes its own share of the micro-batch, so to
+    0.05), and the model's compute_metrics runs only when the update's functions are traced,
+    never once per update."""
+    def batchnorm():
+        inputs = keras.Input((5,))
+        hidden = keras.layers.BatchNormalization()(keras.layers.Dense(16)(inputs))
+        outputs = keras.layers.Dense(3, activation="softmax")(keras.layers.Activation("relu")(hidden))
+        return keras.Model(inputs, outputs)
+
+    keras.utils.set_random_seed(8)
+    initial = batchnorm().get_weights()
+    rng = np.random.default_rng(8)
+    examples, epochs = 512, 4
+    x = rng.normal(size=(examples, 5)).astype(np.float32) * 3.0 + 2.0
+    y = (x[:, 0] > 2.0).astype(np.int32) + (x[:, 1] > 2.0).astype(np.int32)
+    options = dict(epochs=epochs, shuffle=False, verbose=0)
+    want = compiled(batchnorm, initial, "sparse_categorical_crossentropy", ["accuracy"]).fit(
+        x, y, batch_size=batch_size * accum, **options)
+    model = compiled(batchnorm, initial, "sparse_categorical_crossentropy", ["accuracy"])
+    calls = []
+    compute_metrics = model.compute_metrics
+    monkeypatch.setattr(model, "compute_metrics",
+                        lambda *args, **kwargs: calls.append(1) or compute_metrics(*args, **kwargs))
+    counted = keras.callbacks.LambdaCallback(on_epoch_end=lambda *_: epoch_calls.append(len(calls)))
+    epoch_calls = []
+    history = tower_train.keras.fit(model, x, y, batch_size=batch_size, num_gpus=towers,
+                                    accum=accum, callbacks=[counted], **options)
+    np.testing.assert_allclose(history.history["accuracy"], want.history["accuracy"],
+                               atol=1e-6 if towers == 1 else 0.05)
+    assert want.history["accuracy"][-1] > 0.7  # a model that learned
+    # Called while the first update traced its functions, and never again.
+    assert epoch_calls[0] > 0 and epoch_calls == [epoch_calls[0]] * epochs

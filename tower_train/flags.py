@@ -44,7 +44,9 @@ def define_benchmark_flags() -> dict[str, flags.FlagHolder]:
             "time: examples/sec, configurations alternating in this process; memory: peak memory "
             "of each configuration in a subprocess of its own; traffic: bytes per update across "
             "devices, counted from the traced graphs (nothing is run); ops: TensorFlow's profile of "
-            "--updates updates, op time per example by op type."),
+            "--updates updates, op time per example by op type; keras: seconds per epoch of "
+            "tower_train.keras.fit(num_gpus=1) against Keras's own model.fit on an LSTM and a "
+            "dense model, --rounds tries each (--configs and the training flags do not apply)."),
         "link_gbps": flags.DEFINE_list(
             "link_gbps", [],
             "With --measure=traffic: link speeds in gigabits per second (e.g. 256 for PCIe 4.0 "

@@ -23,8 +23,9 @@ callbacks, the History and the progress bar. docs/keras.md maps every argument:
 - The optimizer is a copy of the compiled one (its rate or schedule, its clipping); afterwards
   the model holds the trained weights and its own optimizer holds the run's state, so that
   `evaluate`, `predict` and `save` work at once.
-- Metrics are the compiled ones, computed by the model's own `compute_metrics`: on each update's
-  examples with the weights the update started from (in inference mode), and on the validation
+- Metrics are the compiled ones, computed by the model's own `compute_metrics`: inside the
+  compiled update, from the outputs of every tower's training pass (keras_loss.py), so they sum
+  over the update's G examples as Keras's train step at G would, and on the validation
   data by the model's own `evaluate` at the end of each validated epoch, which tells the
   callbacks on_test_*; History's keys are Keras's (loss, the metrics' names, val_*).
 - Checkpoints only when `train_dir=` is given; otherwise a temporary one, removed at the end, so
@@ -126,8 +127,7 @@ def fit(model: keras.Model, x: Any = None, y: Any = None, batch_size: int | None
     initial_epoch = _restored_epoch(model, callbacks, initial_epoch)
     loop = _KerasFitLoop(model, callbacks, verbose, epochs, initial_epoch, per_epoch, held_out,
                          validation_freq, validation_steps, validation_batch_size or batch_size,
-                         source, options.get("seed", TrainConfig.seed), update_examples,
-                         loss.several_outputs)
+                         loss.tracks_metrics)
     if epochs <= initial_epoch:  # as Keras: nothing to train
         loop.list.on_train_begin()
         loop.list.on_train_end()
@@ -232,17 +232,16 @@ def _copy_state(values: list[np.ndarray], optimizer: keras.optimizers.Optimizer)
 class _KerasFitLoop(keras.callbacks.Callback):
     """The one callback `tower_train.fit` is given: it tells the user's callbacks, the History and
     Keras's progress bar (a `keras.callbacks.CallbackList`) of epochs and batches as Keras's fit
-    does, an update being one step, and computes the compiled metrics and the validation.
+    does, an update being one step, reads the compiled metrics and runs the validation.
 
     Its model (`set_model`) is the network the run trains (the user's model itself in tower
     mode, a clone under a strategy), whose `optimizer` is the run's while it trains; the user's
-    callbacks see that network. The user's own model computes the metrics.
+    callbacks see that network. The user's own model keeps the metrics, which the update moves.
     """
 
     def __init__(self, model: keras.Model, callbacks, verbose: int, epochs: int, initial_epoch: int,
                  per_epoch: int, held_out, validation_freq: int, validation_steps: int | None,
-                 validation_batch_size: int, source: ArraySource, seed: int,
-                 update_examples: int, several_outputs: bool):
+                 validation_batch_size: int, tracks_metrics: bool):
         super().__init__()
         self.history = keras.callbacks.History()
         self.list = keras.callbacks.CallbackList(
@@ -251,13 +250,8 @@ class _KerasFitLoop(keras.callbacks.Callback):
         self._user_model, self._initial_epoch, self._per_epoch = model, initial_epoch, per_epoch
         self._held_out, self._validation_freq = held_out, validation_freq
         self._validation_steps, self._validation_batch_size = validation_steps, validation_batch_size
-        self._source, self._seed, self._update_examples = source, seed, update_examples
-        config = model.get_compile_config()
-        # The metrics Keras's train step keeps: the compiled ones, and each output's loss when
-        # there are several.
-        self._tracks_metrics = bool(config.get("metrics") or config.get("weighted_metrics")
-                                    or several_outputs)
-        self._several_outputs = several_outputs
+        # Updated inside the compiled update from the towers' training outputs (keras_loss.py).
+        self._tracks_metrics = tracks_metrics
         self._loss_sum = 0.0  # of the updates of this epoch that this call applied
         self._epoch_updates: int | None = None  # those updates; None between epochs
         self._epoch_logs: dict[str, float] = {}  # the epoch's so far
@@ -295,7 +289,6 @@ class _KerasFitLoop(keras.callbacks.Callback):
             self._loss_sum, self._epoch_updates = 0.0, 0
             self._user_model.reset_metrics()
             self.list.on_epoch_begin(epoch)
-        self._update_metrics(step - 1)
         self.list.on_train_batch_begin(batch)
 
     def on_train_batch_end(self, step: int, logs=None) -> None:
@@ -320,21 +313,6 @@ class _KerasFitLoop(keras.callbacks.Callback):
             self._end_epoch(self._last_epoch)
         self._optimizer_state = [v.numpy() for v in self.model.optimizer.variables]
         self.list.on_train_end()
-
-    def _update_metrics(self, update: int) -> None:
-        """The compiled metrics of the user's model updated on update `update`'s (0-based)
-        examples, with the outputs of the weights it starts from, as Keras's train step does."""
-        if not self._tracks_metrics:
-            return
-        positions = tf.range(update * self._update_examples, (update + 1) * self._update_examples,
-                             dtype=tf.int64)
-        indices = self._source.stream_indices(positions, self._seed).numpy()
-        x, (y, weights) = (tf.nest.map_structure(lambda a: a[indices], part) for part in
-                           (self._source.train_features, self._source.train_labels))
-        outputs = self.model(x, training=False)
-        if self._several_outputs:  # updates each output's loss metric
-            self._user_model.compute_loss(x, y, outputs, sample_weight=weights, training=False)
-        self._user_model.compute_metrics(x, y, outputs, sample_weight=weights)
 
     def _metrics(self) -> dict[str, float]:
         if not self._tracks_metrics:

@@ -33,6 +33,9 @@ class CompiledLoss:
         from keras.src.trainers.compile_utils import get_loss  # compile()'s own resolution
 
         outputs = model(features, training=False)
+        self._model = model
+        # The structure of the model's outputs, in which the metrics take them.
+        self._structure = tf.nest.map_structure(lambda _: 0, outputs)
         self._names = _output_names(model, outputs)
         self._shapes = [tuple(output.shape[1:]) for output in _in_order(outputs, self._names)]
         self._sizes = [math.prod(shape) for shape in self._shapes]
@@ -56,16 +59,16 @@ class CompiledLoss:
                                  "'sum_over_batch_size'")
             self._losses.append((index, per_label_loss(loss)[0],
                                  1.0 if weight is None else float(weight)))
+        config = model.get_compile_config()
+        # The metrics Keras's train step keeps: the compiled ones, and each output's loss when
+        # there are several.
+        self.tracks_metrics = bool(config.get("metrics") or config.get("weighted_metrics")
+                                   or self.several_outputs)
 
     def __call__(self, targets: tuple[Any, tf.Tensor], outputs: tf.Tensor) -> tf.Tensor:
         y, sample_weight = targets
         y = _in_order(y, self._names, "y")
-        if self._packed:
-            parts = tf.split(outputs, self._sizes, axis=-1)
-            outputs = [tf.reshape(part, [-1, *shape]) for part, shape in
-                       zip(parts, self._shapes, strict=True)]
-        else:
-            outputs = [outputs]
+        outputs = self._unpacked(outputs)
         total = 0.0
         for index, unreduced, weight in self._losses:
             losses = tf.convert_to_tensor(unreduced(y[index], outputs[index],
@@ -74,6 +77,25 @@ class CompiledLoss:
                 losses = tf.reduce_mean(losses, axis=list(range(1, losses.shape.rank)))
             total += losses * weight
         return total
+
+
+    def update_metrics(self, targets: tuple[Any, tf.Tensor], outputs: tf.Tensor) -> None:
+        """The compiled metrics of the user's model (and each output's loss metric, with several
+        outputs) updated from one tower pass's targets and its training outputs, as Keras's train
+        step updates them from its forward pass: inside the compiled update, so a metric's state
+        adds up over the towers and micro-steps of an update as over one batch of G."""
+        y, sample_weight = targets
+        outputs = tf.nest.pack_sequence_as(self._structure, self._unpacked(outputs))
+        if self.several_outputs:  # updates each output's loss metric
+            self._model.compute_loss(None, y, outputs, sample_weight=sample_weight, training=False)
+        self._model.compute_metrics(None, y, outputs, sample_weight=sample_weight)
+
+    def _unpacked(self, outputs: tf.Tensor) -> list[tf.Tensor]:
+        """The outputs `KerasModel.call` packed, as a list in the outputs' order."""
+        if not self._packed:
+            return [outputs]
+        parts = tf.split(outputs, self._sizes, axis=-1)
+        return [tf.reshape(part, [-1, *shape]) for part, shape in zip(parts, self._shapes, strict=True)]
 
     def labels_read(self, labels: tuple[Any, Any]) -> list[tuple[str, Any, Any, int]]:
         """(path, labels, loss, classes) for each output's labels in a source's `(y,

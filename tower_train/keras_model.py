@@ -53,6 +53,13 @@ class KerasModel(TowerModel):
     def per_example_loss(self, labels: tf.Tensor, logits: tf.Tensor) -> tf.Tensor:
         return self._per_label_loss(labels, tf.cast(logits, tf.float32))
 
+    @property
+    def tracks_training_metrics(self) -> bool:
+        return getattr(self._per_label_loss, "tracks_metrics", False)
+
+    def update_training_metrics(self, labels: Any, logits: tf.Tensor) -> None:
+        self._per_label_loss.update_metrics(labels, logits)
+
     def labels_read(self, labels: Any, logits: tf.Tensor) -> list[tuple[str, np.ndarray, Any, int]]:
         """(path, labels, loss, classes) for each array of a source's `labels` that a loss reads,
         with that loss and the last dimension of the outputs it reads them against (a loss per

@@ -5,6 +5,7 @@ Run commands:
     python -m tower_train.benchmark --num_gpus=4 --batch_size=32 --measure=memory   # docs/performance.md: memory
     python -m tower_train.benchmark --configs=plain_k1,tower_pscpu_k1 --rounds=3 --output_json=b.json
     python -m tower_train.benchmark --num_gpus=4 --batch_size=32 --measure=traffic --link_gbps=256,100  # docs/which-mode.md
+    python -m tower_train.benchmark --measure=keras --rounds=2                       # docs/performance.md: against Keras's fit
 
 Speed, in the style of tf_cnn_benchmarks: warm-up updates (tracing included) are
 not timed; each round times every configuration once, alternating, so that drift
@@ -52,6 +53,7 @@ import os
 import sys
 
 from tower_train.api import check_data, prepare_devices
+from tower_train.benchmark.keras_epochs import format_keras_report, measure_keras_epochs
 from tower_train.benchmark.memory import format_memory_report, measure_memory
 from tower_train.benchmark.names import MEASURES, default_configs, parse_config_name
 from tower_train.benchmark.ops import format_ops_report, measure_ops
@@ -82,11 +84,18 @@ def _benchmark(argv: list[str]) -> int:
         raise UsageError(f"--measure={measure}: unknown; allowed: {', '.join(MEASURES)}")
     if measure == "memory" and not os.path.exists("/proc/self/clear_refs"):
         raise UsageError("--measure=memory: needs Linux's /proc/self/status and clear_refs")
-    names = options["configs"].value or default_configs(measure, config.batch_size)
-    benches = [parse_config_name(name, config.batch_size) for name in names]
     for key in ("updates", "rounds"):
         if options[key].value < 1:
             raise UsageError(f"--{key}={options[key].value}: must be a whole number >= 1")
+    if measure == "keras":
+        if options["configs"].value:
+            raise UsageError("--configs: not with --measure=keras, which times its own two models")
+        load_tensorflow()
+        # Keras's own fit and tower_train.keras.fit(num_gpus=1) each place their one device.
+        results = measure_keras_epochs(options["rounds"].value)
+        return _report(format_keras_report(results), results, measure, 1, options)
+    names = options["configs"].value or default_configs(measure, config.batch_size)
+    benches = [parse_config_name(name, config.batch_size) for name in names]
     if options["warmup_updates"].value < 1:
         raise UsageError("--warmup_updates must be >= 1: the first update traces")
     if not options["slow_tower_ms"].value >= 0:
@@ -119,14 +128,21 @@ def _benchmark(argv: list[str]) -> int:
                                          options["slow_tower_ms"].value)
             results = [dataclasses.asdict(m) for m in measurements]
             report = format_report(measurements, len(plan.tower_devices), config.batch_size)
+    return _report(report, results, measure, len(plan.tower_devices), options, config.batch_size)
+
+
+def _report(report: str, results: list, measure: str, towers: int, options: dict,
+            batch_per_tower: int | None = None) -> int:
+    """Prints the report and writes --output_json; returns the exit status."""
     print(report)
     if options["output_json"].value:
         import tensorflow as tf
 
         with open(options["output_json"].value, "w") as f:
-            json.dump({"measure": measure, "towers": len(plan.tower_devices),
-                       "batch_per_tower": config.batch_size, "cores": os.cpu_count(),
-                       "tensorflow": tf.__version__, "results": results}, f, indent=2)
+            json.dump({"measure": measure, "towers": towers, "batch_per_tower": batch_per_tower,
+                       "cores": os.cpu_count(), "tensorflow": tf.__version__,
+                       "results": [dataclasses.asdict(r) if dataclasses.is_dataclass(r) else r
+                                   for r in results]}, f, indent=2)
     return 0
 
 

@@ -16,7 +16,7 @@ KINDS = {
     "central_storage": "CentralStorageStrategy over the same towers and parameter device",
     "keras_fit": "Keras 3 model.fit on one device, optimizer.gradient_accumulation_steps = K",
 }
-MEASURES = ("time", "memory", "traffic", "ops")
+MEASURES = ("time", "memory", "traffic", "ops", "keras")
 _NAME = re.compile(r"^(?P<kind>[a-z_]+?)_k(?P<accum>\d+)(?:_b(?P<batch>\d+))?(?:_s(?P<split>\d+(?:-\d+)+))?"
                    r"(?P<permicro>_permicro)?(?:_(?P<input>data|tfrecord|dataset))?$")
 NAME_FORM = "KIND_kK[_bB][_sA-B...][_permicro][_data|_tfrecord|_dataset]"

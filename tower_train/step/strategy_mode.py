@@ -159,24 +159,38 @@ class StrategyStep:
         return self._strategy.experimental_distribute_values_from_function(shard)
 
     def _accumulate(self, shards: Shards) -> None:
-        self._strategy.run(self._accumulate_replica, args=(self._per_replica(shards),))
+        self._micro_step_on_replicas(shards)
 
-    def _accumulate_replica(self, shard: Batch) -> tf.Tensor:
+    def _micro_step_on_replicas(self, shards: Shards) -> None:
+        """Every local replica's pass on its shard, added to its sums; the model's training
+        metrics, which live outside the strategy, are updated here in cross-replica context
+        from each replica's labels and outputs."""
+        labels, outputs = self._strategy.run(self._accumulate_replica, args=(self._per_replica(shards),))
+        model = self._rule.model
+        if model.tracks_training_metrics:
+            local = self._strategy.experimental_local_results
+            for replica, replica_outputs in enumerate(local(outputs)):
+                model.update_training_metrics(
+                    tf.nest.map_structure(lambda value: local(value)[replica], labels), replica_outputs)
+
+    def _accumulate_replica(self, shard: Batch) -> tuple[object, tf.Tensor]:
+        """One replica's pass; returns its labels and outputs (for the training metrics)."""
         if self._generator_states is not None:
             replica = tf.distribute.get_replica_context().replica_id_in_sync_group
             seeds = pass_seeds(self._generator_states, self._rule.step.read_value(),
                                self._micro_step.read_value(), replica)
             self._micro_step.assign_add(1)
             shard = (*shard, None, seeds)  # no copy of the weights
-        self._sums.add(self._tower(*shard))
-        return tf.identity(self._sums.loss.read_value())
+        result = self._tower(*shard)
+        self._sums.add(result)
+        return shard[1], result.outputs
 
     def _finish(self, shards: Shards) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
         """The last micro-step; returns (the update's weighted mean loss plus the regularization
         of the weights it started from, its total weight, its `Decision`), from [sum(w * loss),
         sum(w), non-finite values] and, for a model that adds losses of the batch, their mean over
         the update's examples, summed over every replica of every worker."""
-        self._strategy.run(self._accumulate_replica, args=(self._per_replica(shards),))
+        self._micro_step_on_replicas(shards)
         scalars = self._strategy.run(self._replica_scalars)
         # Under CentralStorageStrategy the sums are already shared: each replica holds 1/N of them.
         share = tf.constant([self._accumulated_share, self._accumulated_share, 1.0]

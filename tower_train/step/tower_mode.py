@@ -362,7 +362,13 @@ class TowerStep:
                 shards = [(*shard, pass_seeds(self._generator_states, update, micro_step, i))
                           for i, shard in enumerate(shards)]
                 self._micro_step.assign_add(1)
-        return run_on_towers(self._tower, self._devices, shards)
+        results = run_on_towers(self._tower, self._devices, shards)
+        model = self._rule.model
+        if model.tracks_training_metrics:  # where the metrics live: each tower's outputs come there
+            with tf.device(self.layout.host):
+                for shard, result in zip(shards, results, strict=True):
+                    model.update_training_metrics(shard[1], result.outputs)
+        return results
 
     def _accumulate(self, shards: Shards) -> None:
         """A micro-step that does not update: N shards, [b_i, ...] each on tower i -> nothing."""

@@ -62,6 +62,9 @@ class TowerResult(NamedTuple):
     # For a pass given the values of `model.state_variables` (statistics=...): the value each one it
     # moved ended at, keyed by its index there, for the caller to write; else None.
     moved_statistics: dict[str, tf.Tensor] | None = None
+    # The model's outputs of the pass, in training mode: what its training metrics read
+    # (`TowerModel.update_training_metrics`); None where the sums stand for several passes.
+    outputs: tf.Tensor | None = None
 
 
 def tower_loss_and_gradients(
@@ -123,7 +126,7 @@ def tower_loss_and_gradients(
     if model.adds_batch_losses:
         batch_gradients = dense(tape.gradient(batch_objective, sources), model.trainable_variables)
     return TowerResult(weighted_loss_sum, tf.reduce_sum(weights), gradients, batch_loss, batch_gradients,
-                       None if statistics is None else moved)
+                       None if statistics is None else moved, logits)
 
 
 def dense(gradients: Sequence[tf.Tensor | tf.IndexedSlices | None], variables) -> list[tf.Tensor]:
