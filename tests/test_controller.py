@@ -6,6 +6,7 @@ only what one update computes is scripted."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import math
 import os
@@ -115,6 +116,8 @@ class ScriptedStep:
         result = self.script[len(self.calls) - 1]
         if result.applied:
             self.state.step.assign_add(1)
+            # As a mode's update reports it, read after its apply (UpdateRule.state_finite).
+            result = dataclasses.replace(result, state_finite=self.state.all_finite())
         elif self.state.loss_scale is not None and result.decision != Decision.EMPTY:
             self.state.loss_scale.after_refused()
         return result

@@ -40,6 +40,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 from absl import logging
+from keras.src.utils.python_utils import is_default  # what Keras's CallbackList asks of a callback
 
 from tower_train import api, keras_temp_dir
 from tower_train.data.array_source import ArraySource
@@ -252,9 +253,13 @@ class _KerasFitLoop(keras.callbacks.Callback):
         self._validation_steps, self._validation_batch_size = validation_steps, validation_batch_size
         # Updated inside the compiled update from the towers' training outputs (keras_loss.py).
         self._tracks_metrics = tracks_metrics
+        # Whether a callback reads a batch's logs (the progress bar, a user's on_train_batch_end),
+        # as Keras's CallbackList tells: else the metrics are read once an epoch, not per update.
+        self._batch_logs_read = any(
+            not is_default(callback.on_train_batch_end) or not is_default(callback.on_batch_end)
+            for callback in self.list.callbacks)
         self._loss_sum = 0.0  # of the updates of this epoch that this call applied
         self._epoch_updates: int | None = None  # those updates; None between epochs
-        self._epoch_logs: dict[str, float] = {}  # the epoch's so far
         self._last_epoch = initial_epoch  # of the last update applied
         self._optimizer_state: list[np.ndarray] | None = None
         # compile()'s, which the run's copy stands in for as the trained network's `optimizer`.
@@ -296,17 +301,21 @@ class _KerasFitLoop(keras.callbacks.Callback):
         self._last_epoch = epoch
         self._loss_sum += logs["loss"]
         self._epoch_updates += 1
-        self._epoch_logs = {**self._metrics(), "loss": self._loss_sum / self._epoch_updates}
-        self.list.on_train_batch_end(batch, self._epoch_logs)
+        self.list.on_train_batch_end(batch, self._epoch_logs() if self._batch_logs_read else {})
         if batch == self._per_epoch - 1:
             self._end_epoch(epoch)
 
+    def _epoch_logs(self) -> dict[str, float]:
+        """The epoch's logs so far: its compiled metrics and its mean loss."""
+        return {**self._metrics(), "loss": self._loss_sum / self._epoch_updates}
+
     def _end_epoch(self, epoch: int) -> None:
         """The epoch's end, validated when due, as Keras's fit ends it."""
+        logs = self._epoch_logs()
         self._epoch_updates = None
         if self._held_out is not None and (epoch + 1) % self._validation_freq == 0:
-            self._epoch_logs.update(self._validate())
-        self.list.on_epoch_end(epoch, self._epoch_logs)
+            logs.update(self._validate())
+        self.list.on_epoch_end(epoch, logs)
 
     def on_train_end(self, logs=None) -> None:
         if self._epoch_updates:  # a callback stopped the run within an epoch: Keras's fit ends it

@@ -33,17 +33,20 @@ class UpdateResult:
 
     loss: the update's weighted mean loss (over all towers, micro-steps and workers) plus the
       regularization; total_weight: W, the sum of the update's weights; decision: applied, or
-      why it was refused (nothing moved then).
+      why it was refused (nothing moved then); state_finite: whether every float value a
+      checkpoint would hold was finite after it (`UpdateRule.state_finite`).
     """
 
     loss: float
     total_weight: float
     decision: Decision
+    state_finite: bool = True
 
     @classmethod
-    def of(cls, loss: tf.Tensor, total_weight: tf.Tensor, decision: tf.Tensor) -> UpdateResult:
+    def of(cls, loss: tf.Tensor, total_weight: tf.Tensor, decision: tf.Tensor,
+           state_finite: tf.Tensor | bool = True) -> UpdateResult:
         """From the step's tensors; reading them waits for the update to finish."""
-        return cls(float(loss), float(total_weight), Decision(int(decision)))
+        return cls(float(loss), float(total_weight), Decision(int(decision)), bool(state_finite))
 
     @property
     def applied(self) -> bool:

@@ -44,6 +44,7 @@ count back to 0 with its accumulators.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Iterator, Mapping, Sequence
 
 import tensorflow as tf
@@ -126,7 +127,8 @@ class StrategyStep:
         if result.applied:
             weights = shards[0][2]  # one per label
             count = labels_per_shard(weights.shape, [weights.shape[0]])[0]
-            self.apply(tf.constant(count / result.total_weight, tf.float32))
+            state_finite = self.apply(tf.constant(count / result.total_weight, tf.float32))
+            result = dataclasses.replace(result, state_finite=bool(state_finite))
         else:
             self.discard(tf.constant(int(result.decision)))
         return result
@@ -216,8 +218,10 @@ class StrategyStep:
                               for v in values + batch_loss])
         return tf.stack([sums.loss.read_value(), sums.weight.read_value(), nonfinite] + batch_loss)
 
-    def _apply(self, count_over_weight: tf.Tensor) -> None:
+    def _apply(self, count_over_weight: tf.Tensor) -> tf.Tensor:
+        """Applies the update on every replica; returns whether the state it leaves is finite."""
         self._strategy.run(self._apply_replica, args=(count_over_weight,))
+        return self._rule.state_finite()
 
     def _apply_replica(self, count_over_weight: tf.Tensor) -> None:
         scale = count_over_weight * self._accumulated_share

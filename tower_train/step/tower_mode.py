@@ -376,9 +376,9 @@ class TowerStep:
             with tf.device(device):
                 sums.add(result)
 
-    def _update(self, shards: Shards) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
+    def _update(self, shards: Shards) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor, tf.Tensor]:
         """The last micro-step of an update; returns (the update's weighted mean loss, its total
-        weight, its `Decision`)."""
+        weight, its `Decision`, whether the state it leaves is finite)."""
         results = []
         for i, (device, result) in enumerate(zip(self._devices, self._towers(shards), strict=True)):
             with tf.device(device):  # the update's earlier micro-steps too (none at K = 1)
@@ -402,13 +402,14 @@ class TowerStep:
             lambda regularization: self._mean_loss(results, total_weight, regularization)))
         with tf.device(self.layout.host):
             self._settle(decision, apply)
+            state_finite = self._rule.state_finite()
         for device, sums in zip(self._devices, self._sums):  # none at K = 1
             with tf.device(device):
                 sums.clear()
         if self._generator_states is not None:
             with tf.device(self.layout.host):
                 self._micro_step.assign(0)
-        return mean_loss, total_weight, decision
+        return mean_loss, total_weight, decision, state_finite
 
     def _mean_loss(self, results: Sequence[TowerResult], total_weight: tf.Tensor,
                    regularization: tf.Tensor) -> tf.Tensor:

@@ -68,6 +68,9 @@ class UpdateRule:
     clip_norm: float | None = None
     moving_average: MovingAverage | None = None
     loss_scale: LossScale | None = None  # only with --precision=fp16
+    # The float variables a checkpoint holds (TrainState.float_variables), which `state_finite`
+    # reads after the update; none: nothing to check.
+    checked: tuple = ()
 
     def clip(self, mean_gradients: list[tf.Tensor], norm: tf.Tensor | None = None) -> list[tf.Tensor]:
         """The update's gradient (of the weighted mean loss over all G examples, plus the
@@ -133,6 +136,13 @@ class UpdateRule:
         self.step.assign_add(1)
         if self.loss_scale is not None:
             self.loss_scale.after_applied()
+
+    def state_finite(self) -> tf.Tensor:
+        """A bool scalar: whether every float value a checkpoint would hold is finite. Read in
+        the update's own function, after its apply: a finite loss and gradient can still leave
+        inf or NaN behind (a huge learning rate, an optimizer's moments overflowing), which must
+        never reach a checkpoint, and asking here costs no call and no wait of its own."""
+        return tensors_finite(self.checked) if self.checked else tf.constant(True)
 
     def decide(self, total_weight: tf.Tensor, finite: tf.Tensor, loss: tf.Tensor) -> tf.Tensor:
         """The update's `Decision` (int32), from its total weight W, whether its loss and

@@ -117,27 +117,27 @@ class Controller:
     def run(self) -> float | None:
         """Trains to max_steps; returns the loss of the last applied update (None if none was)."""
         loss = None
-        step = _value(self.state.step)
+        step = _value(self.state.step)  # read once: an applied update adds 1, nothing else moves it
         if step >= self.config.max_steps:
             self.log("step %d already reaches --max_steps=%d: nothing to train", step,
                      self.config.max_steps)
         tracing = True
         self._tell("train_begin", saves=False)  # nothing trained yet: an error needs no save
         while step < self.config.max_steps:
-            self._tell("update_begin", _value(self.state.step) + 1)
+            self._tell("update_begin", step + 1)
             start = time.perf_counter()
             try:
                 with self.watchdog.local_work() if tracing else contextlib.nullcontext():
-                    result = self.inner.run_update(self._noted(_value(self.state.step) + 1, start))
+                    result = self.inner.run_update(self._noted(step + 1, start))
                 tracing = False
             except _InputFailed as failed:
                 # A malformed, corrupted or deleted file; the user's map or py_function raising.
-                raise TrainingError(f"update {_value(self.state.step) + 1} failed in the input "
+                raise TrainingError(f"update {step + 1} failed in the input "
                                     f"pipeline: {self.describe_error(failed.error)}; the last good "
                                     f"checkpoint is {self.last_checkpoint or 'none'}") from None
             except RUN_OP_ERRORS as e:
                 # A label out of range, a model's assertion.
-                raise TrainingError(f"update {_value(self.state.step) + 1} failed: "
+                raise TrainingError(f"update {step + 1} failed: "
                                     f"{self.describe_error(e)}; the last good checkpoint is "
                                     f"{self.last_checkpoint or 'none'}") from None
             except UsageError as e:  # a check of the update's first trace (step/towers.py)
@@ -147,7 +147,7 @@ class Controller:
             self.state.examples_seen.assign_add(self.global_batch)
             if not result.applied:
                 stopping = self._refused(result)
-                self._stop_if_asked(_value(self.state.step))
+                self._stop_if_asked(step)
                 if stopping:
                     self._save_boundary(step)
                     self.warn("%s: stopped after update %d, saved %s", stopping, step,
@@ -155,8 +155,8 @@ class Controller:
                     break
                 continue
             self.skipped_in_a_row = self.empty_in_a_row = 0
-            step, loss = _value(self.state.step), result.loss
-            if not (self.state.all_finite() and self.inner.held_finite()):
+            step, loss = step + 1, result.loss  # the step counted it
+            if not (result.state_finite and self.inner.held_finite()):
                 raise TrainingError(
                     f"update {step} had a finite loss ({loss:.4g}) and gradient but left non-finite "
                     "values in the weights or the optimizer's state (a learning rate too large, or "

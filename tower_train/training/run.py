@@ -71,23 +71,26 @@ class TrainState:
 
     def update_rule(self, clip_norm: float | None) -> UpdateRule:
         return UpdateRule(self.model, self.optimizer, self.step, clip_norm, self.moving_average,
-                          self.loss_scale)
+                          self.loss_scale, tuple(self.float_variables()))
 
     @functools.cached_property
     def all_finite(self) -> Callable[[], bool]:
         """A function saying whether every float value the checkpoint would hold is finite, built
         and traced once for the state (the restore and every update call it).
 
-        An update with a finite loss and gradient can still leave inf or NaN behind (a huge
-        learning rate, an optimizer's moments overflowing); this is what keeps such weights out
-        of every checkpoint. One reduction over the state, run after each update."""
-        floats = [v for v in self.checkpoint_variables() if tf.as_dtype(v.dtype).is_floating]
+        A restored checkpoint is checked with it; after an update the update's own function
+        checks the same variables (`UpdateRule.state_finite`). One reduction over the state."""
+        floats = self.float_variables()
 
         @tf.function
         def all_finite() -> tf.Tensor:
             return tensors_finite(floats)
 
         return lambda: bool(all_finite())
+
+    def float_variables(self) -> list:
+        """The float variables of `checkpoint_variables`: what must stay finite."""
+        return [v for v in self.checkpoint_variables() if tf.as_dtype(v.dtype).is_floating]
 
     def checkpoint_variables(self) -> list:
         variables = [*self.model.variables, *self.optimizer.variables]
