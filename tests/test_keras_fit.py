@@ -1090,3 +1090,36 @@ def test_training_metrics_come_from_the_updates_own_training_pass(monkeypatch, t
     assert want.history["accuracy"][-1] > 0.7  # a model that learned
     # Called while the first update traced its functions, and never again.
     assert epoch_calls[0] > 0 and epoch_calls == [epoch_calls[0]] * epochs
+
+
+@pytest.mark.parametrize("mode", ["tower", "mirrored"])
+def test_a_mixed_float16_model_trains_with_the_runs_loss_scale(mode):
+    """The mixed precision guide's recipe: a model made under mixed_float16 (float32 outputs),
+    which compile() gives a LossScaleOptimizer. The run scales the loss itself, once per update,
+    and steps with the inner optimizer: the loss and weights follow Keras's fit at batch_size x
+    accum to float16's rounding, and the model's LossScaleOptimizer gets the run's state."""
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        def guide():
+            inputs = keras.Input((5,))
+            hidden = keras.layers.Dense(16, activation="relu")(inputs)
+            logits = keras.layers.Dense(3)(hidden)
+            return keras.Model(inputs, keras.layers.Activation("softmax", dtype="float32")(logits))
+
+        keras.utils.set_random_seed(9)
+        initial = guide().get_weights()
+        x, y = data("two_inputs")[0]["a"], data("two_inputs")[1]
+        x = np.concatenate([x, x[:, :1]], axis=1)  # 5 features
+        options = dict(epochs=EPOCHS, shuffle=False, verbose=0)
+        reference = compiled(guide, initial, "sparse_categorical_crossentropy")
+        assert isinstance(reference.optimizer, keras.optimizers.LossScaleOptimizer)
+        want = reference.fit(x, y, batch_size=B * K, **options)
+        model = compiled(guide, initial, "sparse_categorical_crossentropy")
+        history = tower_train.keras.fit(model, x, y, batch_size=B, mode=mode, **options, **LAYOUT)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    np.testing.assert_allclose(history.history["loss"], want.history["loss"], rtol=2e-3)
+    for got, expected in zip(model.get_weights(), reference.get_weights(), strict=True):
+        np.testing.assert_allclose(got, expected, atol=2e-3)
+    assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
+    assert int(model.optimizer.inner_optimizer.iterations) == EPOCHS * EXAMPLES // (B * K)

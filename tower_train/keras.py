@@ -144,8 +144,13 @@ def fit(model: keras.Model, x: Any = None, y: Any = None, batch_size: int | None
         # does (a model whose layers Keras cannot remake from their config trains too); a
         # strategy must make its own copy of the weights, so it trains a clone.
         in_place = options.get("mode", TrainConfig.mode) == TrainConfig.mode
+        if isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer):
+            # mixed_float16's: the run scales the loss itself, once per update (precision fp16),
+            # with the policy of Keras's LossScaleOptimizer, which would count micro-steps.
+            options["precision"] = "fp16"
         api.fit(model=(lambda: model) if in_place else model, loss=loss,
-                optimizer=model.optimizer, data=source, callbacks=[loop], show_progress=False,
+                optimizer=_stepping(model.optimizer), data=source, callbacks=[loop],
+                show_progress=False,
                 num_gpus=num_gpus, accum=accum, batch_size=batch_size // towers,
                 max_steps=(epochs - initial_epoch) * per_epoch, train_dir=train_dir, **options)
     finally:
@@ -168,11 +173,6 @@ def _check_arguments(model, verbose, epochs, initial_epoch, validation_freq, shu
     if not getattr(model, "compiled", False) or model.loss is None:
         raise UsageError(f"model {model.name}: is not compiled with a loss; call model.compile("
                          "optimizer=..., loss=...) first, as for model.fit")
-    if isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer):
-        raise UsageError(f"model {model.name}: its optimizer is a LossScaleOptimizer (a "
-                         f"{model.dtype_policy.name} policy), whose loss scale the run would not "
-                         "apply; compile it under float32, or train with tower_train.fit(model="
-                         "lambda: ..., precision='fp16'), which scales the loss once per update")
     for name in options:
         if name in _SET_HERE:
             raise UsageError(f"{name}=: tower_train.keras.fit sets it from {_SET_HERE[name]}; "
@@ -218,6 +218,14 @@ def _warn_differences(model: keras.Model, towers: int, accum: int, options: dict
             logging.warning("tower_train.keras.fit: %s normalizes each tower's micro-batch of "
                             "batch_size / num_gpus examples, not the update's batch_size x accum "
                             "as Keras's fit would (docs/batchnorm.md)", ", ".join(normalizing))
+
+
+def _stepping(optimizer: keras.optimizers.Optimizer) -> keras.optimizers.Optimizer:
+    """The optimizer that steps the weights: a LossScaleOptimizer's inner one (the run scales
+    the loss itself), else `optimizer`."""
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        return optimizer.inner_optimizer
+    return optimizer
 
 
 def _copy_state(values: list[np.ndarray], optimizer: keras.optimizers.Optimizer) -> None:
@@ -283,7 +291,7 @@ class _KerasFitLoop(keras.callbacks.Callback):
         """Before the first update: a fresh run's optimizer continues the state of the model's
         own optimizer when it has trained before, as Keras's next fit would (a run resumed from
         its train_dir keeps the checkpoint's)."""
-        own, run = self.own_optimizer, self.model.optimizer
+        own, run = _stepping(self.own_optimizer), self.model.optimizer
         if own.built and int(run.iterations) == 0:
             _copy_state([v.numpy() for v in own.variables], run)
         self.list.on_train_begin()
@@ -349,6 +357,6 @@ class _KerasFitLoop(keras.callbacks.Callback):
         optimizer = self.own_optimizer
         if not optimizer.built:
             optimizer.build(self._user_model.trainable_variables)
-        _copy_state(self._optimizer_state, optimizer)
+        _copy_state(self._optimizer_state, _stepping(optimizer))
         self._user_model.history = self.history
         self.history.set_model(self._user_model)

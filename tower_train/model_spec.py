@@ -209,7 +209,7 @@ def _instance_spec(instance: keras.Model, qualified: str, config: TrainConfig,
     if num_classes is not None and num_classes != source_classes:
         raise UsageError(f"num_classes={num_classes}: a keras.Model instance is not made with it, "
                          f"and the data has {source_classes} classes")
-    if config.precision != "fp32":
+    if config.precision != "fp32" and instance.dtype_policy.name != DTYPE_POLICIES[config.precision]:
         # A clone keeps each layer's dtype policy, so --precision would not reach it.
         raise UsageError(f"--precision={config.precision}: {what} instance keeps its layers' "
                          "dtype policies when cloned; pass a zero-argument callable that makes it "
