@@ -334,6 +334,33 @@ def test_bad_arguments_are_one_usage_error_line():
         tower_train.keras.fit(model, x, y)
 
 
+class OwnStep(keras.Model):
+    """As keras-io's VAE: its own train_step, and no loss compiled."""
+
+    def __init__(self):
+        super().__init__()
+        self.dense = keras.layers.Dense(1)
+
+    def call(self, inputs):
+        return self.dense(inputs)
+
+    def train_step(self, data):
+        return {}
+
+
+def test_a_model_with_its_own_train_step_is_refused_in_one_line_naming_it():
+    x, y = data("binary")
+    model = OwnStep()
+    model.compile(optimizer="adam")
+    with pytest.raises(tower_train.UsageError) as refused:
+        tower_train.keras.fit(model, x, y)
+    assert str(refused.value) == (
+        f"model {model.name}: test_keras_fit.OwnStep overrides train_step, which "
+        "tower_train.keras.fit never calls (it runs its own update, over towers and micro-steps, "
+        "from compile()'s loss); compile it with that loss and no train_step, or train it with "
+        "Keras's own fit")
+
+
 def test_the_readme_keras_io_script_runs_with_its_one_changed_call(tmp_path):
     """keras-io's MNIST convnet as README.md gives it: exits 0, its History keyed as Keras's."""
     from test_models import python_block

@@ -170,6 +170,12 @@ def _check_arguments(model, verbose, epochs, initial_epoch, validation_freq, shu
     if not isinstance(model, keras.Model) or isinstance(model, TowerModel):
         raise UsageError(f"model={type(model).__name__}: tower_train.keras.fit takes a compiled "
                          "keras.Model (for a tower_train.TowerModel use tower_train.fit)")
+    own = type(model)
+    if own.train_step is not keras.Model.train_step:
+        raise UsageError(f"model {model.name}: {own.__module__}.{own.__qualname__} overrides "
+                         "train_step, which tower_train.keras.fit never calls (it runs its own "
+                         "update, over towers and micro-steps, from compile()'s loss); compile it "
+                         "with that loss and no train_step, or train it with Keras's own fit")
     if not getattr(model, "compiled", False) or model.loss is None:
         raise UsageError(f"model {model.name}: is not compiled with a loss; call model.compile("
                          "optimizer=..., loss=...) first, as for model.fit")
