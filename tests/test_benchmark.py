@@ -181,7 +181,7 @@ def test_benchmark_refuses_bad_flags_in_one_line():
                                     "KIND_kK[_bB][_sA-B...][_permicro][_data|_tfrecord|_dataset] "
                                     "with KIND in plain, tower_pscpu, tower_psgpu, tower_psspread, "
                                     "mirrored, central_storage, keras_fit, K >= 1 and B >= 1"),
-            (["--measure=speed"], "tower_train: error: --measure=speed: unknown; allowed: time, memory, traffic, ops"),
+            (["--measure=speed"], "tower_train: error: --measure=speed: unknown; allowed: time, memory, traffic, ops, keras"),
             (["--measure=traffic", "--link_gbps=fast"],
              "tower_train: error: --link_gbps=fast: must be numbers > 0 (gigabits per second), comma-separated"),
             (["--link_gbps=100"], "tower_train: error: --link_gbps: only with --measure=traffic"),

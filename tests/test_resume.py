@@ -20,7 +20,13 @@ EXACT = ["--num_gpus=2", "--accum=3", "--batch_size=8", "--optimizer=momentum", 
          "--deterministic", "--log_every=1", "--checkpoint_every=100"]
 
 
-def start(*args, preexec_fn=None):
+def hangup_stops():
+    """SIGHUP as a terminal leaves it, whatever this test run inherited (CI may run under nohup,
+    which a run honours)."""
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+
+
+def start(*args, preexec_fn=hangup_stops):
     env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
     return subprocess.Popen([sys.executable, "-m", "tower_train", *args], cwd=ROOT, env=env,
                             stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,

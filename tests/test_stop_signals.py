@@ -42,10 +42,14 @@ def ignore_sighup():
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
 
 
+def default_sighup():  # as a terminal leaves it, whatever this test run inherited (nohup, say)
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+
+
 def test_sighup_ignored_at_the_start_stays_ignored_and_sigterm_still_stops(tmp_path):
     assert report(tmp_path, ignore_sighup, signal.SIGHUP, signal.SIGTERM) == [
         "SIGTERM SIGINT", "SIGTERM SIGHUP ignored: True"]
-    assert report(tmp_path, None, signal.SIGHUP) == [  # without nohup: a stop, as before
+    assert report(tmp_path, default_sighup, signal.SIGHUP) == [  # without nohup: a stop, as before
         "SIGTERM SIGINT SIGHUP", "SIGHUP SIGHUP ignored: False"]
 
 
