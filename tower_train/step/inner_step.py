@@ -9,7 +9,7 @@ from typing import Iterator, Mapping, Protocol, Sequence
 import tensorflow as tf
 
 # One global micro-batch: (features [M, ...], labels int [M, ...], weights float32, the labels' shape);
-# the features as the model takes them, or raw as the training stream gives them (`data.RawInput`).
+# the features as the model takes them, or raw as the training stream gives them (`data/source.RawInput`).
 Batch = tuple[tf.Tensor, tf.Tensor, tf.Tensor]
 BatchSpec = tuple[tf.TensorSpec, tf.TensorSpec, tf.TensorSpec]
 # One global micro-batch as consecutive shards, one per device of the step, each already on its

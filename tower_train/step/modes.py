@@ -91,7 +91,7 @@ class Mode:
     def inner_step(self, state, prepare=None) -> InnerStep:
         """The `InnerStep` of `state` whose `run_update(batches)` applies one update of config.accum
         micro-steps: clipped to --clip_norm, each tower's share as --tower_split says, compiled
-        with XLA under --jit_compile; a `data.RawInput` batch preprocessed by `prepare` (the
+        with XLA under --jit_compile; a `data/source.RawInput` batch preprocessed by `prepare` (the
         source's `model_input`) on each tower's device."""
         raise NotImplementedError
 

@@ -278,7 +278,7 @@ class TowerStep:
         `tower_weights`: "per_update" or "per_micro_step" (`TrainConfig.tower_weights`).
         `transfer_dtype`: the dtype the towers' gradient sums cross devices in (float32, bfloat16
         or float16). `prepare`: the source's `model_input`, which each tower applies to its shard
-        of a `data.RawInput` batch (`towers.prepared`)."""
+        of a `data/source.RawInput` batch (`towers.prepared`)."""
         model = rule.model
         self._tower = (compiled_tower_function(model, rule.loss_scale, prepare) if jit_compile
                        else tower_function(model, rule.loss_scale, prepare=prepare))

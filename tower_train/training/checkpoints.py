@@ -1,6 +1,6 @@
 """The checkpoints of a train_dir, as training writes and restores them.
 
-A train_dir holds the checkpoints of ONE run: its run record (`run_dir.RunRecord`) says
+A train_dir holds the checkpoints of ONE run: its run record (`run_record.RunRecord`) says
 which, and every checkpoint holds a copy of it. Training refuses a train_dir whose record differs.
 Restoring takes the newest
 checkpoint that reads back whole, found from the checkpoint files themselves: the
