@@ -200,3 +200,28 @@ def test_a_staging_file_left_by_a_killed_run_is_replaced_and_one_planted_in_its_
         run_record.write_whole(str(path), "again")
     assert precious.read_text() == "precious"
     assert path.read_text() == "whole"
+
+
+def test_a_train_dir_another_user_may_write_in_is_refused(tmp_path):
+    """Another local user could plant a link there after the start-up's checks, where
+    TensorFlow's own writers would write through it: a train_dir of another user's, or one
+    anyone may write in, is refused in one line and left as it was."""
+    if os.geteuid() != 0:
+        pytest.skip("making a directory another user's needs root (chown)")
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    os.chown(theirs, 4321, -1)
+    with pytest.raises(UsageError) as refused:
+        run_record.TrainDirLock(str(theirs))
+    assert str(refused.value) == (
+        f"--train_dir={theirs}: belongs to another user (uid 4321), who could plant links where "
+        f"the run writes; use a directory of your own, such as --train_dir={theirs}_2")
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    with pytest.raises(UsageError) as refused:
+        run_record.TrainDirLock(str(shared))
+    assert str(refused.value) == (
+        f"--train_dir={shared}: any user may write in it (mode 777), and so plant links where the "
+        "run writes; chmod o-w it, or use a directory of your own")
+    assert not list(theirs.iterdir()) and not list(shared.iterdir())

@@ -166,6 +166,22 @@ def refuse_links(train_dir: str) -> None:
             raise link_refusal(path, train_dir)
 
 
+def _refuse_others_directory(train_dir: str) -> None:
+    """Refuses a train_dir that another local user may write in: one that user owns (a
+    /tmp/tower_train someone else made first) or one anyone may write in. Such a user could plant
+    a link there after the start-up's checks, where TensorFlow's own writers (checkpoints,
+    TensorBoard), which follow links, would then write."""
+    info = os.stat(train_dir)
+    if info.st_uid != os.geteuid():
+        raise UsageError(f"--train_dir={train_dir}: belongs to another user (uid {info.st_uid}), "
+                         "who could plant links where the run writes; use a directory of your "
+                         f"own, such as --train_dir={fresh_directory(train_dir)}")
+    if info.st_mode & stat.S_IWOTH:
+        raise UsageError(f"--train_dir={train_dir}: any user may write in it (mode "
+                         f"{stat.S_IMODE(info.st_mode):o}), and so plant links where the run "
+                         "writes; chmod o-w it, or use a directory of your own")
+
+
 def _not_a_file(path: str) -> str | None:
     """Why no lock can be at `path` when something other than a regular file stands there; None
     when a regular file does, or nothing."""
@@ -204,6 +220,9 @@ class TrainDirLock:
         except OSError as e:  # a file of that name, a link loop on the way (ELOOP)
             reason = "it is a file, not a directory" if e.errno == errno.EEXIST else e.strerror
             raise UsageError(f"--train_dir={train_dir}: cannot make the directory ({reason})") from None
+        if self._created:  # a umask of 0 would leave it open to everyone's links
+            os.chmod(train_dir, stat.S_IMODE(os.stat(train_dir).st_mode) & ~stat.S_IWOTH)
+        _refuse_others_directory(train_dir)
         self._path = path = os.path.join(train_dir, LOCK_FILE)
         try:
             # No link followed (the run would truncate the file it names); no wait on a FIFO.
