@@ -76,3 +76,23 @@ def test_multi_worker_is_refused_with_one_line():
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("tower_train: error: --modes: multi_worker")
     assert "python -m tower_train --mode=multi_worker" in lines[0]
+
+
+def test_a_link_where_the_command_writes_is_refused_and_what_it_names_is_untouched(tmp_path):
+    """compare writes TensorBoard runs and its plot in --train_dir: it takes the train_dir's lock
+    as a run does, which refuses a link among its entries, before TensorFlow loads."""
+    precious = tmp_path / "precious"
+    precious.write_text("precious")
+    train_dir = tmp_path / "run"
+    train_dir.mkdir()
+    (train_dir / "compare.png").symlink_to(precious)
+    result = subprocess.run(
+        [sys.executable, "-m", "tower_train.compare", "--num_gpus=2", "--batch_size=4",
+         "--max_steps=3", f"--train_dir={train_dir}"],
+        capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        f"tower_train: error: --train_dir={train_dir}: {train_dir}/compare.png is a symbolic link "
+        f"(to {precious}); a run follows no link where it writes, so nothing it points at is "
+        f"written: remove it, or add --train_dir={train_dir}_2"]
+    assert precious.read_text() == "precious"

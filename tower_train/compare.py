@@ -38,6 +38,7 @@ from tower_train.cli import command, load_tensorflow, parse_config
 from tower_train.config import HAND_PLACED_MODE, MODE_RULES, ONE_PROCESS_MODES, TrainConfig, check_directories
 from tower_train.errors import UsageError
 from tower_train.stats import jitter
+from tower_train.training.run_record import TrainDirLock
 
 if TYPE_CHECKING:
     from tower_train.devices import DevicePlan
@@ -221,21 +222,24 @@ def _compare(argv: list[str]) -> int:
         raise UsageError(f"--max_steps={config.max_steps}: must be greater than "
                          f"--warmup_updates={warmup}, or no update is timed")
     check_directories(config)
-    load_tensorflow()
-    check_data(config, None)
-    plan = prepare_devices(config, announce=True)
-    runs = compare_modes(config, plan, modes)
-    global_batch = config.global_batch
-    rows = summarize(runs, global_batch, warmup)
-    write_summaries(runs, config.train_dir, global_batch, warmup)
-    print(format_table(rows, global_batch, config.max_steps, warmup))
-    if own_flags["plot"].value:
-        if importlib.util.find_spec("matplotlib") is None:
-            logging.info("no plot: matplotlib is not installed (pip install -e '.[plot]')")
-        else:
-            path = os.path.join(config.train_dir, PLOT_NAME)
-            plot(runs, rows, global_batch, path)
-            print(f"plot: {path}")
+    # It writes TensorBoard runs and the plot there: as a training run, it takes the train_dir's
+    # lock, and with it the refusal of a link where it writes (training/run_record.py).
+    with TrainDirLock(config.train_dir):
+        load_tensorflow()
+        check_data(config, None)
+        plan = prepare_devices(config, announce=True)
+        runs = compare_modes(config, plan, modes)
+        global_batch = config.global_batch
+        rows = summarize(runs, global_batch, warmup)
+        write_summaries(runs, config.train_dir, global_batch, warmup)
+        print(format_table(rows, global_batch, config.max_steps, warmup))
+        if own_flags["plot"].value:
+            if importlib.util.find_spec("matplotlib") is None:
+                logging.info("no plot: matplotlib is not installed (pip install -e '.[plot]')")
+            else:
+                path = os.path.join(config.train_dir, PLOT_NAME)
+                plot(runs, rows, global_batch, path)
+                print(f"plot: {path}")
     return 0
 
 
