@@ -2,7 +2,7 @@
 
 Run commands:
     python -m tower_train.eval --train_dir=/tmp/tower_train              # its latest checkpoint
-    python -m tower_train.eval --checkpoint=/tmp/tower_train/ckpt-20 --num_gpus=4
+    python -m tower_train.eval --checkpoint=/tmp/tower_train/ckpt-30 --num_gpus=4  # the main job's last
     python -m tower_train.eval --train_dir=/tmp/tower_train --nouse_ema  # the trained weights
 
 It takes the training flags (--model, --model_module, --dataset, --data_module,
