@@ -2,6 +2,7 @@
 out (Keras's own `train_validation_split`), `class_weights` gives each example its class's weight
 as Keras's own conversion does, and `read_dataset` reads a batched `tf.data.Dataset` into the
 arrays it was made of; bad arguments, one UsageError line each."""
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -90,11 +91,44 @@ def test_read_dataset_gives_the_arrays_its_batches_were_cut_from_and_their_size(
     rng = np.random.default_rng(2)
     x, y = features(kind, rng), rng.integers(0, 3, EXAMPLES)
     sample_weight = rng.uniform(0.5, 2.0, EXAMPLES).astype(np.float32)
-    got_x, got_y, got_w, size = read_dataset(batches(x, y, sample_weight, 4), None, None, None, 0.0)
-    assert size == 4  # batches of 4, 4 and the last 2
+    # The same order every epoch: read twice to find that out, kept once.
+    got_x, got_y, got_w, size, examples = read_dataset(batches(x, y, sample_weight, 4), None, None,
+                                                       None, 0.0, epochs=3)
+    assert (size, examples) == (4, EXAMPLES)  # batches of 4, 4 and the last 2
     assert_same_nest((got_x, got_y, got_w), (x, y, sample_weight))
-    *_, no_weights, size = read_dataset(batches(x, y, None, 3), None, None, None, None)
+    *_, no_weights, size, _ = read_dataset(batches(x, y, None, 3), None, None, None, None, epochs=1)
     assert no_weights is None and size == 3
+
+
+def test_a_dataset_that_reshuffles_is_read_once_per_epoch_in_each_epochs_order():
+    """As Keras's own fit reads it, epoch by epoch: the arrays hold, in turn, the orders of the
+    examples that Keras's fit trains each epoch on (recorded from its model's calls)."""
+    rng = np.random.default_rng(4)
+    x = rng.normal(size=(EXAMPLES, 1)).astype(np.float32)
+    y = np.arange(EXAMPLES)
+
+    def reshuffled():
+        return tf.data.Dataset.from_tensor_slices((x, y)).shuffle(
+            EXAMPLES, seed=5, reshuffle_each_iteration=True).batch(EXAMPLES)
+
+    seen = []
+
+    class Recorder(keras.layers.Layer):
+        def call(self, inputs):
+            tf.py_function(lambda batch: seen.append(batch.numpy().ravel().copy()), [inputs], [])
+            return inputs
+
+    model = keras.Sequential([keras.Input((1,)), Recorder(), keras.layers.Dense(1)])
+    model.compile("sgd", "mse", run_eagerly=True)
+    model.fit(reshuffled(), epochs=3, verbose=0)
+    keras_orders = [np.searchsorted(np.sort(x.ravel()), batch) for batch in seen]
+    by_value = np.argsort(x.ravel())
+    keras_orders = [by_value[order] for order in keras_orders]  # example indices, epoch by epoch
+    assert len(keras_orders) == 3 and not np.array_equal(keras_orders[0], keras_orders[1])
+    got_x, got_y, _, size, examples = read_dataset(reshuffled(), None, None, None, 0.0, epochs=3)
+    assert (size, examples) == (EXAMPLES, EXAMPLES)
+    np.testing.assert_array_equal(got_y, np.concatenate(keras_orders))
+    np.testing.assert_array_equal(got_x, x[got_y])
 
 
 def test_bad_arguments_are_one_usage_error_line():
@@ -103,11 +137,11 @@ def test_bad_arguments_are_one_usage_error_line():
     dataset = batches(x, y, None, 4)
     features_only = tf.data.Dataset.from_tensor_slices(x).batch(4)
     cases = [
-        (lambda: read_dataset(dataset, y, None, None, 0.0),
+        (lambda: read_dataset(dataset, y, None, None, 0.0, 1),
          "y=: not with x=Dataset, whose elements give the batches (x, y[, sample_weight])"),
-        (lambda: read_dataset(dataset, None, None, None, 0.2),
+        (lambda: read_dataset(dataset, None, None, None, 0.2, 1),
          "validation_split=: not with x=Dataset"),
-        (lambda: read_dataset(features_only, None, None, None, 0.0),
+        (lambda: read_dataset(features_only, None, None, None, 0.0, 1),
          "x=Dataset: expected batches (x, y) or (x, y, sample_weight), one per step; it yields "
          "ndarray"),
         (lambda: split_data(x, y, None, None, 0.95, None),

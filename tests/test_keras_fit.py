@@ -438,6 +438,26 @@ def test_a_batched_dataset_trains_as_keras_fit_on_its_batches(tmp_path):
         np.testing.assert_allclose(history.history[key], values, rtol=1e-4, err_msg=key)
 
 
+def test_a_dataset_that_reshuffles_every_epoch_trains_as_keras_fit_over_its_epochs():
+    """A shuffle(..., reshuffle_each_iteration=True) before batch: Keras's fit iterates it anew
+    every epoch, each in its own order, and so is it read here; 3 epochs end at Keras's weights,
+    where training every epoch on the first epoch's order would not."""
+    keras.utils.set_random_seed(10)
+    initial = softmax().get_weights()
+    x, y = data("softmax", seed=5)
+
+    def reshuffled(batch_size):
+        return tf.data.Dataset.from_tensor_slices((x, y)).shuffle(
+            EXAMPLES, seed=11, reshuffle_each_iteration=True).batch(batch_size)
+
+    reference = compiled(softmax, initial, "categorical_crossentropy")
+    reference.fit(reshuffled(B * K), epochs=3, verbose=0)
+    model = compiled(softmax, initial, "categorical_crossentropy")
+    tower_train.keras.fit(model, reshuffled(B), epochs=3, verbose=0, **LAYOUT)
+    for got, expected in zip(model.get_weights(), reference.get_weights(), strict=True):
+        np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-6)
+
+
 def test_checkpoints_early_stopping_and_csv_are_kerass(tmp_path):
     """ModelCheckpoint, EarlyStopping and CSVLogger see Keras's epochs: the same files and rows,
     the same last epoch, as on Keras's own fit."""

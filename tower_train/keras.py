@@ -93,14 +93,14 @@ def fit(model: keras.Model, x: Any = None, y: Any = None, batch_size: int | None
     """
     verbose = _check_arguments(model, verbose, epochs, initial_epoch, validation_freq, shuffle,
                                options)
+    callbacks = [] if callbacks is None else check_callbacks(callbacks)
+    initial_epoch = _restored_epoch(model, callbacks, initial_epoch)
+    epoch_examples = None  # of a dataset, read once per epoch; else the arrays' own
     if isinstance(x, (tf.data.Dataset, keras.utils.PyDataset)):
-        if isinstance(x, keras.utils.PyDataset) and shuffle:
-            logging.warning("tower_train.keras.fit: %s is trained in its own order of batches every "
-                            "epoch; Keras's fit with shuffle=True would shuffle them",
-                            type(x).__name__)
-        x, y, sample_weight, batch_size = read_dataset(x, y, sample_weight, batch_size,
-                                                       validation_split)
-        shuffle = False  # a dataset's order is its own
+        x, y, sample_weight, batch_size, epoch_examples = read_dataset(
+            x, y, sample_weight, batch_size, validation_split, max(epochs - initial_epoch, 1),
+            shuffle)
+        shuffle = False  # each epoch's order is the one Keras's fit would have read
     batch_size = DEFAULT_BATCH_SIZE if batch_size is None else batch_size
     for name, value, least in (("batch_size", batch_size, 1), ("num_gpus", num_gpus, 0),
                                ("accum", accum, 1)):
@@ -121,11 +121,9 @@ def fit(model: keras.Model, x: Any = None, y: Any = None, batch_size: int | None
     update_examples = batch_size * accum
     per_epoch = steps_per_epoch
     if steps_per_epoch is None:
-        per_epoch = math.ceil(source.train_size / update_examples)
+        per_epoch = math.ceil((epoch_examples or source.train_size) / update_examples)
     _whole_number("steps_per_epoch", per_epoch, 1)
     loss = CompiledLoss(model, *tf.nest.map_structure(lambda a: a[:1], (features, targets)))
-    callbacks = [] if callbacks is None else check_callbacks(callbacks)
-    initial_epoch = _restored_epoch(model, callbacks, initial_epoch)
     loop = _KerasFitLoop(model, callbacks, verbose, epochs, initial_epoch, per_epoch, held_out,
                          validation_freq, validation_steps, validation_batch_size or batch_size,
                          loss.tracks_metrics)

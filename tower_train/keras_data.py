@@ -10,14 +10,20 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from keras.src.backend.tensorflow.trainer import TFEpochIterator  # what Keras's fit reads data with
+
 from tower_train.errors import UsageError
 
 
 def read_dataset(dataset: tf.data.Dataset | keras.utils.PyDataset, y, sample_weight, batch_size,
-                  validation_split):
+                  validation_split, epochs: int, shuffle: bool = False):
     """A finite `tf.data.Dataset` or `keras.utils.PyDataset` of batches (x, y) or
-    (x, y, sample_weight), one step's each, read once into arrays: (x, y, sample_weight or None,
-    its batch size)."""
+    (x, y, sample_weight), one step's each, read into arrays as Keras's fit reads it: anew for
+    each of `epochs` epochs, so that a dataset that reshuffles every iteration (a
+    `shuffle(...)`, `text_dataset_from_directory`) gives each epoch its own order, and a
+    PyDataset's batches are shuffled as fit shuffles them (`shuffle`); one that gives the same
+    order twice is read once. Returns (x, y, sample_weight or None, its batch size,
+    the examples of one epoch): the arrays hold the epochs one after the other."""
     kind = "Dataset" if isinstance(dataset, tf.data.Dataset) else type(dataset).__name__
     for name, value in (("y", y), ("sample_weight", sample_weight), ("batch_size", batch_size),
                         ("validation_split", validation_split or None)):
@@ -26,15 +32,38 @@ def read_dataset(dataset: tf.data.Dataset | keras.utils.PyDataset, y, sample_wei
                              "(x, y[, sample_weight]), as for model.fit")
     if isinstance(dataset, tf.data.Dataset):
         finite = dataset.cardinality() != tf.data.INFINITE_CARDINALITY
-        read = lambda: list(dataset.as_numpy_iterator())  # noqa: E731
     else:
         finite = dataset.num_batches is not None
-        read = lambda: [tf.nest.map_structure(np.asarray, dataset[index])  # noqa: E731
-                        for index in range(dataset.num_batches)]
     if not finite:
-        raise UsageError(f"x={kind}: is infinite; tower_train.keras.fit reads it once, into "
-                         "memory, so it must end")
-    elements = [tuple(element) if isinstance(element, list) else element for element in read()]
+        raise UsageError(f"x={kind}: is infinite; tower_train.keras.fit reads it into memory, "
+                         "so it must end")
+    # Keras's fit reads its epochs through this iterator: the same iterations of a dataset (it
+    # starts the next one as an epoch ends, and another as the next epoch begins), a PyDataset's
+    # batches shuffled as fit shuffles them, its on_epoch_end called.
+    epochs_read = TFEpochIterator(x=dataset, shuffle=shuffle and kind != "Dataset",
+                                  distribute_strategy=tf.distribute.get_strategy())
+
+    def read() -> list:
+        batches = []
+        with epochs_read.catch_stop_iteration():  # as Keras's fit loops over an epoch
+            for _, _, iterator in epochs_read:
+                batches.append(tf.nest.map_structure(np.asarray, next(iterator)))
+        return batches
+
+    passes = [_arrays(kind, read())]
+    while len(passes) < epochs:
+        passes.append(_arrays(kind, read()))
+        if len(passes) == 2 and _same(passes[0][0], passes[1][0]):  # one order, every epoch
+            del passes[1]
+            break
+    batch, epoch_examples = passes[0][1], len(tf.nest.flatten(passes[0][0])[0])
+    arrays = tf.nest.map_structure(lambda *parts: np.concatenate(parts), *(p[0] for p in passes))
+    return arrays[0], arrays[1], arrays[2] if len(arrays) == 3 else None, batch, epoch_examples
+
+
+def _arrays(kind: str, elements: list) -> tuple[tuple, int]:
+    """One epoch's batches as arrays (x, y[, sample_weight]), and its batch size."""
+    elements = [tuple(element) if isinstance(element, list) else element for element in elements]
     if not elements or not isinstance(elements[0], tuple) or len(elements[0]) not in (2, 3):
         raise UsageError(f"x={kind}: expected batches (x, y) or (x, y, sample_weight), one per "
                          "step; it yields " + ("nothing" if not elements else
@@ -44,8 +73,17 @@ def read_dataset(dataset: tf.data.Dataset | keras.utils.PyDataset, y, sample_wei
         raise UsageError(f"x={kind}: its batches hold {', '.join(map(str, sizes[:8]))}"
                          f"{', ...' if len(sizes) > 8 else ''} examples: each step's batch must be "
                          "full but the last (batch(..., drop_remainder=False) gives that)")
-    arrays = tf.nest.map_structure(lambda *parts: np.concatenate(parts), *elements)
-    return arrays[0], arrays[1], arrays[2] if len(arrays) == 3 else None, sizes[0]
+    return tf.nest.map_structure(lambda *parts: np.concatenate(parts), *elements), sizes[0]
+
+
+def _same(one, other) -> bool:
+    """Whether two epochs' arrays are equal: the same structure, shapes and values."""
+    try:
+        tf.nest.assert_same_structure(one, other)
+    except (ValueError, TypeError):
+        return False
+    return all(a.shape == b.shape and np.array_equal(a, b, equal_nan=a.dtype.kind == "f")
+               for a, b in zip(tf.nest.flatten(one), tf.nest.flatten(other)))
 
 
 def split_data(x, y, sample_weight, class_weight, validation_split, validation_data):
