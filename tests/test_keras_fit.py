@@ -1170,3 +1170,24 @@ def test_a_mixed_float16_model_trains_with_the_runs_loss_scale(mode):
         np.testing.assert_allclose(got, expected, atol=2e-3)
     assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
     assert int(model.optimizer.inner_optimizer.iterations) == EPOCHS * EXAMPLES // (B * K)
+
+
+def test_a_layers_constraint_applies_after_each_update_as_in_kerass_fit():
+    """Keras's Optimizer.apply projects a variable with its constraint after the step: a
+    NonNeg kernel stays non-negative, at Keras's weights."""
+    def constrained():
+        inputs = keras.Input((5,))
+        hidden = keras.layers.Dense(8, activation="tanh", kernel_constraint="non_neg")(inputs)
+        return keras.Model(inputs, keras.layers.Dense(3, activation="softmax")(hidden))
+
+    keras.utils.set_random_seed(12)
+    initial = constrained().get_weights()
+    x, y = data("softmax", seed=6)
+    reference = compiled(constrained, initial, "categorical_crossentropy")
+    reference.fit(x, y, batch_size=B * K, epochs=EPOCHS, shuffle=False, verbose=0)
+    model = compiled(constrained, initial, "categorical_crossentropy")
+    tower_train.keras.fit(model, x, y, batch_size=B, epochs=EPOCHS, shuffle=False, verbose=0,
+                          **LAYOUT)
+    assert model.get_weights()[0].min() >= 0.0 and initial[0].min() < 0.0
+    for got, expected in zip(model.get_weights(), reference.get_weights(), strict=True):
+        np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-6)
