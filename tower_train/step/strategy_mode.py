@@ -221,7 +221,9 @@ class StrategyStep:
     def _apply(self, count_over_weight: tf.Tensor) -> tf.Tensor:
         """Applies the update on every replica; returns whether the state it leaves is finite."""
         self._strategy.run(self._apply_replica, args=(count_over_weight,))
-        return self._rule.state_finite()
+        # Beside the first copy of the state, as the regularization: only the answer crosses.
+        with tf.device(self._strategy.extended.parameter_devices[0]):
+            return self._rule.state_finite()
 
     def _apply_replica(self, count_over_weight: tf.Tensor) -> None:
         scale = count_over_weight * self._accumulated_share
