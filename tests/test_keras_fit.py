@@ -5,6 +5,7 @@ afterwards; bad arguments, one UsageError line each."""
 import re
 import subprocess
 import sys
+import warnings
 
 import keras
 import numpy as np
@@ -454,6 +455,67 @@ def test_a_dataset_that_reshuffles_every_epoch_trains_as_keras_fit_over_its_epoc
     reference.fit(reshuffled(B * K), epochs=3, verbose=0)
     model = compiled(softmax, initial, "categorical_crossentropy")
     tower_train.keras.fit(model, reshuffled(B), epochs=3, verbose=0, **LAYOUT)
+    for got, expected in zip(model.get_weights(), reference.get_weights(), strict=True):
+        np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-6)
+
+
+def fit_warnings(train) -> tuple[object, list[str]]:
+    """What `train()` returns, and the texts of the Python warnings it gave, every one."""
+    with warnings.catch_warnings(record=True) as given:
+        warnings.simplefilter("always")
+        result = train()
+    return result, [str(warning.message) for warning in given]
+
+
+@pytest.mark.parametrize("steps_per_epoch,epochs,lengths", [(10, 2, [4, 4]), (3, 3, [3, 1, 3])])
+def test_steps_per_epoch_beyond_the_data_ends_the_epoch_there_with_kerass_warning(
+        steps_per_epoch, epochs, lengths):
+    """An epoch of steps_per_epoch that reaches the end of the data (4 updates of 16 of the 64
+    examples) ends there with Keras's warning, and the next epoch starts the data again, as
+    Keras's fit does: its updates, callbacks' calls, History and weights."""
+    keras.utils.set_random_seed(12)
+    initial = binary().get_weights()
+    x, y = data("binary", seed=3)
+    options = dict(epochs=epochs, steps_per_epoch=steps_per_epoch, shuffle=False, verbose=0)
+    keras_recorder, recorder = Recorder(), Recorder()
+    reference = compiled(binary, initial, "binary_crossentropy")
+    want, keras_said = fit_warnings(lambda: reference.fit(
+        x, y, batch_size=B * K, callbacks=[keras_recorder], **options))
+    model = compiled(binary, initial, "binary_crossentropy")
+    history, said = fit_warnings(lambda: tower_train.keras.fit(
+        model, x, y, batch_size=B, callbacks=[recorder], **options, **LAYOUT))
+    out_of_data = [text for text in keras_said if "ran out of data" in text]
+    assert len(out_of_data) == sum(length < steps_per_epoch for length in lengths)
+    assert [text for text in said if "ran out of data" in text] == out_of_data
+    assert int(model.optimizer.iterations) == int(reference.optimizer.iterations) == sum(lengths)
+    assert recorder.calls == keras_recorder.calls
+    assert [call[1] for call in recorder.calls if call[0] == "batch_end"] == [
+        batch for length in lengths for batch in range(length)]
+    assert history.epoch == want.epoch == list(range(epochs))
+    np.testing.assert_allclose(history.history["loss"], want.history["loss"], rtol=1e-4)
+    for got, expected in zip(model.get_weights(), reference.get_weights(), strict=True):
+        np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-6)
+
+
+def test_a_finite_dataset_ends_each_epoch_at_its_end_as_in_kerass_fit():
+    """No steps_per_epoch: an epoch is one pass of the dataset (6 micro-batches of 8: 3 updates
+    of 16), 3 epochs of it, the updates, callbacks' calls and weights of Keras's fit on it
+    batched by 16, and no warning."""
+    keras.utils.set_random_seed(13)
+    initial = softmax().get_weights()
+    x, y = data("softmax", seed=6)
+    x, y = x[:48], y[:48]
+    keras_recorder, recorder = Recorder(), Recorder()
+    reference = compiled(softmax, initial, "categorical_crossentropy")
+    reference.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(B * K), epochs=3, verbose=0,
+                  callbacks=[keras_recorder])
+    model = compiled(softmax, initial, "categorical_crossentropy")
+    _, said = fit_warnings(lambda: tower_train.keras.fit(
+        model, tf.data.Dataset.from_tensor_slices((x, y)).batch(B), epochs=3, verbose=0,
+        callbacks=[recorder], **LAYOUT))
+    assert not [text for text in said if "ran out of data" in text]
+    assert int(model.optimizer.iterations) == int(reference.optimizer.iterations) == 9
+    assert recorder.calls == keras_recorder.calls
     for got, expected in zip(model.get_weights(), reference.get_weights(), strict=True):
         np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-6)
 

@@ -86,6 +86,27 @@ def _same(one, other) -> bool:
                for a, b in zip(tf.nest.flatten(one), tf.nest.flatten(other)))
 
 
+# Keras's own words when an epoch of `steps_per_epoch` runs past the end of the data
+# (keras/src/trainers/epoch_iterator.py).
+OUT_OF_DATA = ("Your input ran out of data; interrupting training. Make sure that your dataset or "
+               "generator can generate at least `steps_per_epoch * epochs` batches. You may need to "
+               "use the `.repeat()` function when building your dataset.")
+
+
+def epoch_lengths(steps_per_epoch: int | None, batches: int, epochs: int) -> list[int]:
+    """The updates of each of `epochs` epochs as Keras's fit reads its data of `batches` steps a
+    pass: without `steps_per_epoch` a pass each; with it, the pass goes on from epoch to epoch,
+    and an epoch that reaches the pass's end before `steps_per_epoch` steps ends there (Keras
+    warns `OUT_OF_DATA`), the next epoch starting a new pass."""
+    if steps_per_epoch is None:
+        return [batches] * epochs
+    lengths, read = [], 0  # read: the steps of the current pass read so far
+    for _ in range(epochs):
+        lengths.append(min(steps_per_epoch, batches - read))
+        read = (read + lengths[-1]) % batches
+    return lengths
+
+
 def split_data(x, y, sample_weight, class_weight, validation_split, validation_data):
     """((x, y, w) to train on, (x, y, w) held out or None) from Keras's data arguments; w is the
     float32 weight of each example, sample_weight times class_weight's (ones without either)."""
