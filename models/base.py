@@ -70,6 +70,11 @@ class TowerModel(keras.Model):
         # Whether a training call adds losses of the batch (`batch_losses`): set by the trainer
         # once it has traced one (tower_train/model_spec.py), so the modes know before they trace.
         self.adds_batch_losses = False
+        # Per trainable variable: whether the loss's gradient reaches it as tf.IndexedSlices, a row
+        # per occurrence (an Embedding's table, read by gather), untouched by the regularization and
+        # the losses of the batch: set by the trainer's start-up trace (tower_train/model_spec.py),
+        # for tower mode's sparse steps (step/towers.py). Empty: none.
+        self.sparse_gradients: tuple[bool, ...] = ()
         self._weight_values: list[tf.Tensor] | None = None  # set inside using(weights=...)
         self._held_scope: keras.StatelessScope | None = None  # set inside using(statistics=...)
 

@@ -222,6 +222,13 @@ class TrainConfig:
     recompute: bool = option(
         False, "Gradient checkpointing: keep only the model's block outputs and recompute each "
         "block's activations in the backward pass (tf.recompute_grad).")
+    # Keras's fit steps an Embedding so (tower_train.keras.fit's default); off, the CLI keeps the
+    # dense step of docs/gradient-math.md and holds no occurrences.
+    sparse_steps: bool = option(
+        False, "Step a table read by gather (an Embedding's) as Keras's fit does: the optimizer "
+        "takes its gradient as a row per occurrence of an index in the update's G examples, "
+        "duplicates not summed (Adam's and RMSprop's second moments add each occurrence's square). "
+        "Tower mode with --ps_device=cpu or gpu; the others step densely.")
 
     def __post_init__(self) -> None:
         self._check_types()

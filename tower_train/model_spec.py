@@ -373,23 +373,27 @@ def check_training_pass(what: str, model: TowerModel, example: tf.Tensor, labels
     one line naming the user's file:line, a variable made only in training is refused, and the
     trainable variables that get no gradient are named (refused when none gets one). Sets
     `model.adds_batch_losses` when the pass adds losses of the batch through Keras (some models
-    add them only with training=True).
+    add them only with training=True), and `model.sparse_gradients`.
     """
     untrained: list[str] = []
     batch_losses: list[int] = []
+    sparse: list[bool] = []
 
     def training_pass(features: tf.Tensor, labels: tf.Tensor) -> None:
         # Under a name scope, as the towers are, the gradient included (--recompute calls the
         # blocks again inside it): a root scope refuses names such as "__basic_block" that Keras
         # opens for a class named _BasicBlock.
         with tf.name_scope("training_pass"):
-            with tf.GradientTape() as tape:
+            with tf.GradientTape(persistent=True) as tape:
                 logits = model(features, training=True)
+                batch_loss = model.batch_loss()
                 loss = (tf.reduce_sum(tf.cast(model.per_example_loss(labels, logits), tf.float32))
-                        + model.update_regularization() + model.batch_loss())
+                        + model.update_regularization() + batch_loss)
             batch_losses.append(len(model.batch_losses()))
             gradients = tape.gradient(loss, model.trainable_variables)
+            batch_gradients = tape.gradient(batch_loss, model.trainable_variables)
         untrained[:] = [v.path for v, g in zip(model.trainable_variables, gradients) if g is None]
+        sparse[:] = [isinstance(g, tf.IndexedSlices) and b is None for g, b in zip(gradients, batch_gradients)]
 
     created: list[str] = []
 
@@ -412,6 +416,7 @@ def check_training_pass(what: str, model: TowerModel, example: tf.Tensor, labels
                          f"(training=False) did not make ({', '.join(created)}); make every layer's "
                          "variables in __init__ or in that call") from None
     model.adds_batch_losses = model.adds_batch_losses or max(batch_losses) > 0
+    model.sparse_gradients = tuple(sparse)
     variables = model.trainable_variables
     if len(untrained) == len(variables):
         raise UsageError(f"{what}: none of its {len(variables)} trainable variables gets a gradient "

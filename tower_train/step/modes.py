@@ -18,6 +18,8 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, ClassVar, ContextManager
 
+from absl import logging
+
 from tower_train.workers.cluster import SINGLE_PROCESS, WorkerInfo, server_start, strategy_resolver
 from tower_train.config import DTYPES, MODE_RULES, ModeRules, TrainConfig
 from tower_train.devices import HOST_DEVICE, DevicePlan, Placement, StrategyPlacement, device_span, plan_devices
@@ -117,6 +119,21 @@ class Mode:
             self._vote = tf.function(vote)
         return int(self._vote(tf.constant(int(flag)))) > 0
 
+    def sparse_steps(self, model) -> bool:
+        """Whether the update steps `model`'s tables read by gather (`sparse_gradients`) with
+        their occurrences, as --sparse_steps asks: in tower mode with one parameter device;
+        elsewhere they take the dense step, which one warning line says."""
+        if not (self.config.sparse_steps and any(model.sparse_gradients)):
+            return False
+        if self.rules.places_towers and self.config.ps_device != "spread":
+            return True
+        where = f"--ps_device={self.config.ps_device}" if self.rules.places_towers else f"--mode={self.rules.name}"
+        tables = [v.path for v, sparse in zip(model.trainable_variables, model.sparse_gradients) if sparse]
+        logging.warning("--sparse_steps: %s steps %s with its dense gradient, not with its rows' "
+                        "occurrences as Keras's fit does (sparse steps are --mode=tower's, with "
+                        "--ps_device=cpu or gpu)", where, ", ".join(tables))
+        return False
+
 
 class TowerMode(Mode):
     """The classic pattern: no strategy, the variables on the parameter device, the towers
@@ -139,10 +156,12 @@ class TowerMode(Mode):
         from tower_train.step.tower_mode import TowerStep
 
         config = self.config
-        return TowerStep(rule=state.update_rule(config.clip_norm), tower_devices=self.plan.tower_devices,
+        rule = state.update_rule(config.clip_norm)
+        return TowerStep(rule=rule, tower_devices=self.plan.tower_devices,
                          placement=self.placement, accum=config.accum, shard_sizes=config.tower_shard_sizes,
                          jit_compile=config.jit_compile, tower_weights=config.tower_weights,
-                         transfer_dtype=DTYPES[config.transfer_precision], prepare=prepare)
+                         transfer_dtype=DTYPES[config.transfer_precision], prepare=prepare,
+                         sparse_steps=self.sparse_steps(rule.model))
 
 
 class _StrategyMode(Mode):
@@ -163,7 +182,9 @@ class _StrategyMode(Mode):
         from tower_train.step.strategy_mode import StrategyStep
 
         config = self.config
-        return StrategyStep(strategy=self.strategy, rule=state.update_rule(config.clip_norm),
+        rule = state.update_rule(config.clip_norm)
+        self.sparse_steps(rule.model)  # False: says so once, where the model has tables to step
+        return StrategyStep(strategy=self.strategy, rule=rule,
                             accum=config.accum, shard_size=config.batch_size,
                             first_replica=self.worker.index * len(self.plan.tower_devices),
                             jit_compile=config.jit_compile, prepare=prepare)

@@ -73,8 +73,8 @@ from tower_train.data.source import Preprocess
 from tower_train.devices import HOST_DEVICE, Placement, canonical_device
 from tower_train.step.device_feed import feed_devices, shard_specs
 from tower_train.step.inner_step import BatchSpec, Decision, Shards, UpdateResult
-from tower_train.step.towers import (TowerResult, combine_gradients, compiled_tower_function, labels_per_shard,
-                                     pass_seeds, read_in_compute_dtype, regularization_gradients, run_on_towers,
+from tower_train.step.towers import (TowerResult, combine_gradients, combine_slices, compiled_tower_function,
+                                     labels_per_shard, pass_seeds, read_in_compute_dtype, regularization_gradients, run_on_towers,
                                      seed_generator_states, tower_function)
 from tower_train.step.update_rule import TrainingStatistics, UpdateRule, tensors_finite
 from tower_train.step.update_sums import UpdateSums
@@ -101,6 +101,8 @@ class TowerSums:
     total_weight: tf.Tensor  # W, on the layout's host
     safe_weight: tf.Tensor  # W, or 1 where W = 0 (then the update is refused)
     mean_loss: Callable[[tf.Tensor], tf.Tensor]  # the update's mean loss with this regularization, here
+    sparse: tuple[int, ...] = ()  # the variables stepped sparsely, by index
+    slices: Sequence[Sequence[tf.IndexedSlices]] = ()  # per tower, on its device: their occurrences
 
 
 class TowerLayout(Protocol):
@@ -246,7 +248,13 @@ class ParameterDeviceLayout:
                 mean_grads = rule.loss_scale.unscale(mean_grads)
             mean_grads = [g + r for g, r in zip(mean_grads, regularization_grads, strict=True)]
             decision = rule.decide(sums.total_weight, tensors_finite([mean_loss, *mean_grads]), mean_loss)
-        return mean_loss, decision, lambda: rule.apply(rule.clip(mean_grads))
+            # Their dense gradients above decide and clip; the occurrences step. They travel in
+            # float32, whatever transfer_dtype; no regularization reaches them (`sparse_gradients`).
+            sparse = {}
+            if sums.sparse:
+                scale = sums.safe_weight * (1.0 if rule.loss_scale is None else rule.loss_scale.value)
+                sparse = dict(zip(sums.sparse, combine_slices(sums.slices, sums.counts, scale), strict=True))
+        return mean_loss, decision, lambda: rule.apply(rule.clip(mean_grads, sparse=sparse))
 
     def before_update(self) -> None:
         pass  # the towers read the TrainState's variables themselves
@@ -272,16 +280,20 @@ class TowerStep:
 
     def __init__(self, *, rule: UpdateRule, tower_devices: Sequence[str], placement: TowerPlacement, accum: int,
                  shard_sizes: Sequence[int], jit_compile: bool = False, tower_weights: str = "per_update",
-                 transfer_dtype: str = "float32", prepare: Preprocess | None = None):
+                 transfer_dtype: str = "float32", prepare: Preprocess | None = None, sparse_steps: bool = False):
         """`placement`: where the rule's variables live; it builds the `TowerLayout` (created
         after any restore, `Run.inner`, so a layout's own state starts from the restored one).
         `tower_weights`: "per_update" or "per_micro_step" (`TrainConfig.tower_weights`).
         `transfer_dtype`: the dtype the towers' gradient sums cross devices in (float32, bfloat16
         or float16). `prepare`: the source's `model_input`, which each tower applies to its shard
-        of a `data/source.RawInput` batch (`towers.prepared`)."""
+        of a `data/source.RawInput` batch (`towers.prepared`). `sparse_steps`: the variables
+        whose gradient reaches them as occurrences (`TowerModel.sparse_gradients`) are stepped
+        with the update's occurrences, as Keras's fit steps them (`TrainConfig.sparse_steps`);
+        a `ParameterDeviceLayout`'s only."""
         model = rule.model
-        self._tower = (compiled_tower_function(model, rule.loss_scale, prepare) if jit_compile
-                       else tower_function(model, rule.loss_scale, prepare=prepare))
+        self._sparse = tuple(j for j, sparse in enumerate(model.sparse_gradients) if sparse and sparse_steps)
+        self._tower = (compiled_tower_function(model, rule.loss_scale, prepare, self._sparse) if jit_compile
+                       else tower_function(model, rule.loss_scale, prepare=prepare, sparse=self._sparse))
         self._rule = rule
         self._devices = tuple(tower_devices)
         self._shard_sizes = tuple(shard_sizes)  # examples of each tower per micro-step
@@ -299,7 +311,8 @@ class TowerStep:
         if accum > 1:
             for i, device in enumerate(self._devices):
                 with tf.device(device):
-                    self._sums.append(UpdateSums(model, prefix=f"tower_{i}_"))
+                    self._sums.append(UpdateSums(model, prefix=f"tower_{i}_", sparse=self._sparse,
+                                                 passes_held=accum - 1))
         self.refresh_weights = tf.function(self._refresh_weights)
         self.accumulate = tf.function(self._accumulate)
         self.update = tf.function(self._update)
@@ -399,7 +412,8 @@ class TowerStep:
             tower_grads.append(grads)
         mean_loss, decision, apply = self.layout.reduce(TowerSums(
             tower_grads, counts, total_weight, safe_weight,
-            lambda regularization: self._mean_loss(results, total_weight, regularization)))
+            lambda regularization: self._mean_loss(results, total_weight, regularization),
+            self._sparse, [result.slices for result in results]))
         with tf.device(self.layout.host):
             self._settle(decision, apply)
             state_finite = self._rule.state_finite()

@@ -65,12 +65,16 @@ class TowerResult(NamedTuple):
     # The model's outputs of the pass, in training mode: what its training metrics read
     # (`TowerModel.update_training_metrics`); None where the sums stand for several passes.
     outputs: tf.Tensor | None = None
+    # For each variable a pass was asked to step sparsely (sparse=...): the gradient in `gradients`
+    # as its occurrences, `sparse_occurrences`; those of several passes concatenated in a sum.
+    slices: tuple[tf.IndexedSlices, ...] = ()
 
 
 def tower_loss_and_gradients(
     model: TowerModel, features: tf.Tensor, labels: tf.Tensor, weights: tf.Tensor,
     loss_scale: tf.Tensor | None = None, weight_copies: Sequence[tf.Variable] | None = None,
     seeds: tf.Tensor | None = None, statistics: Sequence[tf.Tensor] | None = None,
+    sparse: Sequence[int] = (),
 ) -> TowerResult:
     """One tower's forward and backward pass.
 
@@ -91,6 +95,8 @@ def tower_loss_and_gradients(
       statistics: None to read and move `model.state_variables` (BN's moving statistics) as
         Keras does; or one tensor per such variable, its current value: the pass then touches no
         variable and returns the values it moved (`TowerResult.moved_statistics`).
+      sparse: indices into `model.trainable_variables` whose gradient also comes as its
+        occurrences (`TowerResult.slices`): the update steps them as Keras's fit does.
 
     Returns:
       A `TowerResult`: the float32 scalars sum(w * loss) and sum(w) over the shard, and the
@@ -121,12 +127,14 @@ def tower_loss_and_gradients(
         batch_objective = batch_loss
         if loss_scale is not None:
             objective, batch_objective = objective * loss_scale, batch_objective * loss_scale
-    gradients = dense(tape.gradient(objective, sources), model.trainable_variables)
+    raw_gradients = tape.gradient(objective, sources)
+    gradients = dense(raw_gradients, model.trainable_variables)
+    slices = tuple(sparse_occurrences(raw_gradients[j], gradients[j]) for j in sparse)
     batch_gradients = None
     if model.adds_batch_losses:
         batch_gradients = dense(tape.gradient(batch_objective, sources), model.trainable_variables)
     return TowerResult(weighted_loss_sum, tf.reduce_sum(weights), gradients, batch_loss, batch_gradients,
-                       None if statistics is None else moved, logits)
+                       None if statistics is None else moved, logits, slices)
 
 
 def dense(gradients: Sequence[tf.Tensor | tf.IndexedSlices | None], variables) -> list[tf.Tensor]:
@@ -134,6 +142,29 @@ def dense(gradients: Sequence[tf.Tensor | tf.IndexedSlices | None], variables) -
     made dense, and zeros for a variable the loss does not reach."""
     return [tf.zeros(v.shape, v.dtype) if g is None else tf.convert_to_tensor(g)
             for g, v in zip(gradients, variables, strict=True)]
+
+
+def sparse_occurrences(gradient: tf.Tensor | tf.IndexedSlices | None, dense_gradient: tf.Tensor) -> tf.IndexedSlices:
+    """A variable's gradient as Keras's fit hands it to the optimizer when it reads the variable
+    by gather (an Embedding's table): a row per occurrence of an index, duplicates not summed,
+    indices int64. A dense gradient (`dense_gradient`, where a pass reads the table otherwise
+    than the start-up trace did) is one occurrence of every row: stepped as densely as Keras's."""
+    if isinstance(gradient, tf.IndexedSlices):
+        return tf.IndexedSlices(gradient.values, tf.cast(gradient.indices, tf.int64),
+                                tf.shape(dense_gradient, out_type=tf.int64))
+    rows = tf.range(tf.shape(dense_gradient, out_type=tf.int64)[0])
+    return tf.IndexedSlices(dense_gradient, rows, tf.shape(dense_gradient, out_type=tf.int64))
+
+
+def combine_slices(tower_slices: Sequence[Sequence[tf.IndexedSlices]], tower_label_counts: Sequence[float],
+                   total_weight: tf.Tensor) -> list[tf.IndexedSlices]:
+    """`combine_gradients` of the sparse variables' occurrences, on the current device: each
+    tower's scaled by c_i / W as its dense sum is, all towers' concatenated, so that the update's
+    slices are those Keras's fit takes from one batch of G (in another order of the occurrences)."""
+    return [tf.IndexedSlices(tf.concat([s.values * (count / total_weight)
+                                        for s, count in zip(slices, tower_label_counts, strict=True)], 0),
+                             tf.concat([s.indices for s in slices], 0), slices[0].dense_shape)
+            for slices in zip(*tower_slices, strict=True)]
 
 
 def read_in_compute_dtype(model: TowerModel) -> list[bool]:
@@ -168,10 +199,11 @@ def prepared(features, prepare: Preprocess | None):
 
 def tower_function(
     model: TowerModel, loss_scale: LossScale | None = None, jit_compile: bool = False,
-    prepare: Preprocess | None = None,
+    prepare: Preprocess | None = None, sparse: Sequence[int] = (),
 ) -> Callable[..., TowerResult]:
-    """`tower_loss_and_gradients` of `model` as a function of (features, labels, weights[,
-    weight_copies[, seeds]]), reading the current loss scale at every call; with `jit_compile`,
+    """`tower_loss_and_gradients` of `model` (its `sparse` variables' occurrences too) as a
+    function of (features, labels, weights[, weight_copies[, seeds]]), reading the current loss
+    scale at every call; with `jit_compile`,
     compiled by XLA for the device it is called on (which must hold the model's variables: XLA
     cannot read another device's; `compiled_tower_function` reads none). Features that come as
     a `RawInput` are preprocessed by `prepare` first, on that device, outside XLA (`prepared`)."""
@@ -180,7 +212,8 @@ def tower_function(
                    seeds: tf.Tensor | None = None) -> TowerResult:
         return tower_loss_and_gradients(
             model, features, labels, weights,
-            None if loss_scale is None else loss_scale.value.read_value(), weight_copies, seeds)
+            None if loss_scale is None else loss_scale.value.read_value(), weight_copies, seeds,
+            sparse=sparse)
 
     run_pass = tf.function(tower_pass, jit_compile=True) if jit_compile else tower_pass
 
@@ -191,8 +224,8 @@ def tower_function(
 
 
 def compiled_tower_function(model: TowerModel, loss_scale: LossScale | None = None,
-                            prepare: Preprocess | None = None) -> Callable[..., TowerResult]:
-    """`tower_loss_and_gradients` of `model` compiled by XLA for the device it is called on, as a
+                            prepare: Preprocess | None = None, sparse: Sequence[int] = ()) -> Callable[..., TowerResult]:
+    """`tower_loss_and_gradients` of `model` (its `sparse` variables' occurrences too) compiled by XLA for the device it is called on, as a
     function of (features, labels, weights, weight_copies[, seeds]), for towers whose variables
     live elsewhere (tower mode). XLA cannot read another device's variables, so the compiled pass
     reads none: the weights come as `weight_copies` (a tower's copy, or the parameter device's
@@ -202,7 +235,7 @@ def compiled_tower_function(model: TowerModel, loss_scale: LossScale | None = No
     @tf.function(jit_compile=True)
     def compiled(features, labels, weights, weight_values, statistics, seeds, scale) -> TowerResult:
         return tower_loss_and_gradients(model, features, labels, weights, scale, weight_values, seeds,
-                                        statistics)
+                                        statistics, sparse)
 
     def tower(features: tf.Tensor, labels: tf.Tensor, weights: tf.Tensor,
               weight_copies: Sequence[tf.Variable | tf.Tensor], seeds: tf.Tensor | None = None) -> TowerResult:

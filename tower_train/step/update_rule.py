@@ -10,6 +10,7 @@ accumulation advanced some of them per micro-step).
 from __future__ import annotations
 
 import dataclasses
+from typing import Mapping
 
 import keras
 import tensorflow as tf
@@ -72,15 +73,23 @@ class UpdateRule:
     # reads after the update; none: nothing to check.
     checked: tuple = ()
 
-    def clip(self, mean_gradients: list[tf.Tensor], norm: tf.Tensor | None = None) -> list[tf.Tensor]:
+    def clip(self, mean_gradients: list[tf.Tensor], norm: tf.Tensor | None = None,
+             sparse: Mapping[int, tf.IndexedSlices] | None = None) -> list:
         """The update's gradient (of the weighted mean loss over all G examples, plus the
         regularization) rescaled to a global norm of at most `clip_norm`, then clipped as the
         optimizer's own `clipnorm`, `global_clipnorm` or `clipvalue` says, as Keras's `apply`
         clips a batch's gradient. Keras's own fit under a strategy would clip each replica's
         share instead. `norm`: the whole gradient's global norm (`global_norm`) when
         `mean_gradients` are only part of it, as one device's slices (where the optimizer may
-        not clip: model_spec refuses it)."""
+        not clip: model_spec refuses it). `sparse`: by variable index, the gradient's
+        occurrences (sparse steps: `towers.combine_slices`), which replace that variable's dense
+        gradient from here on; `clip_norm` still reads the dense gradient's norm, and the
+        optimizer clips the occurrences as Keras's `apply` does."""
         gradients = list(mean_gradients)
+        if sparse:
+            if self.clip_norm is not None and norm is None:
+                norm = tf.linalg.global_norm(gradients)
+            gradients = [sparse.get(j, g) for j, g in enumerate(gradients)]
         if self.clip_norm is not None:
             gradients = tf.clip_by_global_norm(gradients, self.clip_norm, use_norm=norm)[0]
         return self.optimizer._clip_gradients(gradients)
@@ -99,8 +108,10 @@ class UpdateRule:
     def apply(self, clipped_gradients: list) -> None:
         """Applies the clipped mean gradient (`clip`) as Keras's `Optimizer.apply` applies a
         batch's: the optimizer's weight decay, the step of each variable, the layers'
-        constraints, and the optimizer's moving average (`use_ema`). In a strategy, call it in
-        cross-replica context with gradients that are already reduced.
+        constraints, and the optimizer's moving average (`use_ema`). A sparse-stepped variable's
+        gradient is its occurrences (`clip`'s `sparse`), which `update_step` takes as under
+        Keras's fit. In a strategy, call it in cross-replica context with gradients that are
+        already reduced.
 
         Keras's `apply_gradients` all-reduces the gradients it is given whenever a strategy is
         active, clipping each replica's share before that, so it would reduce them a second time
