@@ -33,7 +33,10 @@ callbacks, the History and the progress bar. docs/keras.md maps every argument:
 """
 from __future__ import annotations
 
+import bisect
+import itertools
 import math
+import warnings
 from typing import Any
 
 import keras
@@ -47,7 +50,7 @@ from tower_train.data.array_source import ArraySource
 from tower_train.training.keras_callbacks import check_callbacks
 from tower_train.config import TrainConfig
 from tower_train.errors import UsageError
-from tower_train.keras_data import read_dataset, split_data
+from tower_train.keras_data import OUT_OF_DATA, epoch_lengths, read_dataset, split_data
 from tower_train.keras_loss import CompiledLoss
 
 # The options this module sets from Keras's arguments and compile(), and where each comes from.
@@ -118,13 +121,15 @@ def fit(model: keras.Model, x: Any = None, y: Any = None, batch_size: int | None
     if isinstance(targets, (list, tuple)) and len(names) == len(targets) > 1:
         targets = dict(zip(names, targets))  # ArraySource takes no list of arrays in a tuple
     source = ArraySource(features, (targets, weights), shuffle=shuffle, name="arrays")
-    update_examples = batch_size * accum
-    per_epoch = steps_per_epoch
-    if steps_per_epoch is None:
-        per_epoch = math.ceil((epoch_examples or source.train_size) / update_examples)
-    _whole_number("steps_per_epoch", per_epoch, 1)
+    if steps_per_epoch is not None:
+        _whole_number("steps_per_epoch", steps_per_epoch, 1)
+    # One pass of the data, in updates of G examples: Keras's batches at batch_size x accum.
+    batches = math.ceil((epoch_examples or source.train_size) / (batch_size * accum))
+    per_epoch = batches if steps_per_epoch is None else steps_per_epoch
+    lengths = epoch_lengths(steps_per_epoch, batches, max(epochs - initial_epoch, 0))
     loss = CompiledLoss(model, *tf.nest.map_structure(lambda a: a[:1], (features, targets)))
-    loop = _KerasFitLoop(model, callbacks, verbose, epochs, initial_epoch, per_epoch, held_out,
+    loop = _KerasFitLoop(model, callbacks, verbose, epochs, initial_epoch, per_epoch, lengths,
+                         held_out,
                          validation_freq, validation_steps, validation_batch_size or batch_size,
                          loss.tracks_metrics)
     if epochs <= initial_epoch:  # as Keras: nothing to train
@@ -137,7 +142,7 @@ def fit(model: keras.Model, x: Any = None, y: Any = None, batch_size: int | None
     options.setdefault("ema_decay", 0.0)  # Keras keeps no moving average
     options.setdefault("sparse_steps", True)  # an Embedding's rows per occurrence, as Keras steps them
     if given_dir is None:  # nothing resumes from it: only the save at the end, which is required
-        options.setdefault("checkpoint_every", (epochs - initial_epoch) * per_epoch)
+        options.setdefault("checkpoint_every", sum(lengths))
     try:
         # Tower mode trains the model itself, wherever Keras made its weights, as Keras's fit
         # does (a model whose layers Keras cannot remake from their config trains too); a
@@ -151,7 +156,7 @@ def fit(model: keras.Model, x: Any = None, y: Any = None, batch_size: int | None
                 optimizer=_stepping(model.optimizer), data=source, callbacks=[loop],
                 show_progress=False,
                 num_gpus=num_gpus, accum=accum, batch_size=batch_size // towers,
-                max_steps=(epochs - initial_epoch) * per_epoch, train_dir=train_dir, **options)
+                max_steps=sum(lengths), train_dir=train_dir, **options)
     finally:
         # The run gave the trained network its optimizer (training/keras_callbacks.py); compile()'s goes back.
         object.__setattr__(model, "optimizer", loop.own_optimizer)
@@ -254,7 +259,8 @@ class _KerasFitLoop(keras.callbacks.Callback):
     """
 
     def __init__(self, model: keras.Model, callbacks, verbose: int, epochs: int, initial_epoch: int,
-                 per_epoch: int, held_out, validation_freq: int, validation_steps: int | None,
+                 per_epoch: int, lengths: list[int], held_out, validation_freq: int,
+                 validation_steps: int | None,
                  validation_batch_size: int, tracks_metrics: bool):
         super().__init__()
         self.history = keras.callbacks.History()
@@ -262,6 +268,9 @@ class _KerasFitLoop(keras.callbacks.Callback):
             [*callbacks, self.history], add_history=False, add_progbar=verbose != 0,
             model=model, verbose=verbose, epochs=epochs, steps=per_epoch)
         self._user_model, self._initial_epoch, self._per_epoch = model, initial_epoch, per_epoch
+        # The updates of each epoch from initial_epoch on (keras_data.epoch_lengths), and the
+        # number of updates before each.
+        self._lengths, self._before = lengths, list(itertools.accumulate(lengths, initial=0))
         self._held_out, self._validation_freq = held_out, validation_freq
         self._validation_steps, self._validation_batch_size = validation_steps, validation_batch_size
         # Updated inside the compiled update from the towers' training outputs (keras_loss.py).
@@ -290,7 +299,8 @@ class _KerasFitLoop(keras.callbacks.Callback):
 
     def _place(self, step: int) -> tuple[int, int]:
         """Keras's (epoch, batch) of update `step` (1-based)."""
-        return self._initial_epoch + (step - 1) // self._per_epoch, (step - 1) % self._per_epoch
+        index = bisect.bisect_right(self._before, step - 1) - 1
+        return self._initial_epoch + index, step - 1 - self._before[index]
 
     def on_train_begin(self, logs=None) -> None:
         """Before the first update: a fresh run's optimizer continues the state of the model's
@@ -315,7 +325,9 @@ class _KerasFitLoop(keras.callbacks.Callback):
         self._loss_sum += logs["loss"]
         self._epoch_updates += 1
         self.list.on_train_batch_end(batch, self._epoch_logs() if self._batch_logs_read else {})
-        if batch == self._per_epoch - 1:
+        if batch == self._lengths[epoch - self._initial_epoch] - 1:
+            if batch < self._per_epoch - 1:  # the data ran out before steps_per_epoch
+                warnings.warn(OUT_OF_DATA, stacklevel=2)
             self._end_epoch(epoch)
 
     def _epoch_logs(self) -> dict[str, float]:
