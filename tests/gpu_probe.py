@@ -36,7 +36,7 @@ def xla() -> dict:
 
     base = TrainConfig(train_dir="/unused", num_gpus=2, gpu_memory_mb=4000, accum=2, batch_size=32,
                        optimizer="momentum", learning_rate=0.05)
-    plan = prepare_devices(base)
+    base, plan = prepare_devices(base)
     errors = {}
     for ps_device in ("cpu", "spread"):
         trained = []

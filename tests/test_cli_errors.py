@@ -30,7 +30,7 @@ CASES = [
     (["--learning_rate=-0.1"], "--learning_rate"),
     (["--learning_rate=nan"], "--learning_rate"),
     (["--mode=bogus"], "allowed: tower"),
-    (["--ps_device=tpu"], "allowed: cpu, gpu, spread"),
+    (["--ps_device=tpu"], "allowed: auto, cpu, gpu, spread"),
     (["--optimizer=rmsprop"], "allowed: sgd, momentum, adam"),
     (["--dataset=imagenet"], "--dataset=imagenet: unknown; registered: cifar10, markov_text, synthetic"),
     (["--num_gpus=2", "--tower_split=3,x"], "--tower_split=3,x: must be whole numbers >= 1"),

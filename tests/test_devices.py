@@ -69,7 +69,7 @@ def test_no_gpu_gpu_parameter_device_is_the_first_tower():
 def test_zero_gpus_is_one_cpu_tower_without_split():
     plan = plan_devices(0, "gpu", num_physical_gpus=4)
     assert plan == DevicePlan(("/cpu:0",), "/cpu:0", "none", 0, None, "--num_gpus=0: one tower on /cpu:0",
-                              "parameter_device")
+                              "parameter_device", "gpu")
     assert plan.message == "--num_gpus=0: one tower on /cpu:0; parameters on /cpu:0"
 
 
@@ -93,3 +93,26 @@ def test_message_is_one_line_naming_the_parameter_device(num_gpus, physical):
 def test_canonical_device_folds_spellings():
     assert canonical_device("/gpu:1") == canonical_device("/job:localhost/replica:0/task:0/device:GPU:1")
     assert canonical_device("/cpu:0") != canonical_device("/cpu:1")
+
+
+@pytest.mark.parametrize("num_gpus,physical,param_device,why", [
+    (2, 0, "/cpu:0", "no GPU, the host"),
+    (1, 0, "/cpu:0", "no GPU, the host"),
+    (1, 1, "/gpu:0", "one tower, on the GPU it computes on"),
+    (1, 4, "/gpu:0", "one tower, on the GPU it computes on"),
+    (4, 1, "/cpu:0", "4 towers, the host (fastest for 4 towers on one GPU, docs/gpu.md)"),
+    (4, 4, "/cpu:0", "4 towers, the host (fastest for 4 towers on one GPU, docs/gpu.md)"),
+])
+def test_auto_ps_device_places_one_gpu_tower_on_its_gpu_and_else_the_host_and_says_why(
+        num_gpus, physical, param_device, why):
+    plan = plan_devices(num_gpus, "auto", num_physical_gpus=physical, gpu0_memory_mb=8000)
+    assert plan.param_device == param_device
+    assert plan.ps_device == param_device[1:4]
+    assert plan.message.endswith(f"parameters on {param_device}; --ps_device=auto chose {plan.ps_device}: {why}")
+
+
+def test_a_ps_device_given_keeps_its_meaning_and_adds_no_reason():
+    for ps_device in ("cpu", "gpu", "spread"):
+        given = plan_devices(1, ps_device, num_physical_gpus=1)
+        assert (given.ps_device, given.choices) == (ps_device, ())
+    assert plan_devices(1, "cpu", num_physical_gpus=1).param_device == "/cpu:0"

@@ -13,12 +13,13 @@ from absl import flags
 
 from tower_train import flags as tt_flags
 from tower_train.benchmark.names import MEASURES
-from tower_train.config import TrainConfig
+from tower_train.config import AUTO, AUTO_OR_BOOL, TrainConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIELDS = dataclasses.fields(TrainConfig)
-# absl's flag class for each Python type of a field (bool | None is still a bool flag).
-FLAG_TYPES = {str: "string", int: "int", float: "float", bool: "bool"}
+# absl's flag class for each Python type of a field (bool | None is still a bool flag, and so is
+# an option that may also be "auto": its --name and --noname are a bool flag's).
+FLAG_TYPES = {str: "string", int: "int", float: "float", bool: "bool", AUTO_OR_BOOL: "bool"}
 
 
 @pytest.fixture(autouse=True)
@@ -29,6 +30,8 @@ def unparsed_flags():
 
 def field_type(field) -> type:
     annotation = typing.get_type_hints(TrainConfig)[field.name]
+    if annotation == AUTO_OR_BOOL:
+        return annotation
     choices = [a for a in typing.get_args(annotation) if a is not type(None)] or [annotation]
     assert len(choices) == 1, field.name
     return choices[0]
@@ -54,6 +57,18 @@ def test_no_flags_give_the_default_config_and_given_flags_reach_their_fields():
                  "--optimizer=adam", "--clip_norm=2"])
     assert tt_flags.config_from_flags() == TrainConfig(accum=3, learning_rate=0.25, augment=True,
                                                        optimizer="adam", clip_norm=2.0)
+
+
+@pytest.mark.parametrize("argv,value", [([], AUTO), (["--jit_compile"], True), (["--nojit_compile"], False),
+                                        (["--jit_compile=auto"], AUTO), (["--jit_compile=false"], False)])
+def test_an_option_that_may_be_auto_takes_a_bool_flags_forms_and_auto(argv, value):
+    flags.FLAGS(["tower_train", *argv])
+    assert tt_flags.config_from_flags().jit_compile == value
+
+
+def test_an_option_that_may_be_auto_names_its_values_when_given_another():
+    with pytest.raises(flags.IllegalFlagValueError, match="allowed: true, false, auto"):
+        flags.FLAGS(["tower_train", "--jit_compile=sometimes"])
 
 
 def recipe_values(path: str) -> dict[str, object]:

@@ -6,6 +6,7 @@ import subprocess
 import sys
 import time
 
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -15,7 +16,7 @@ from tower_train.config import MODE_RULES, TrainConfig
 from tower_train.devices import canonical_device, plan_devices
 from tower_train.errors import UsageError
 from tower_train.step.device_feed import shard_specs
-from tower_train.step.modes import MODES, build_mode, fit_plan_to_mode, resolve_all_reduce
+from tower_train.step.modes import MODES, build_mode, fit_plan_to_mode, resolve_all_reduce, resolve_jit_compile
 from helpers import cross_tower_ops, make_run, read_until, weights
 from test_cli_errors import ROOT
 from test_train import checkpoint_values
@@ -82,6 +83,40 @@ def test_all_reduce_choice_follows_the_devices():
     assert resolve_all_reduce("tower", "auto", cpus) == "parameter_device"
     with pytest.raises(UsageError, match="--all_reduce=nccl: needs one physical GPU per tower"):
         resolve_all_reduce("mirrored", "nccl", split_gpu)
+
+
+def test_auto_jit_compile_decides_as_kerass_fit_on_gpus_and_keeps_a_given_value():
+    """XLA where GPUs compute the towers, as Keras's fit decides its own jit_compile="auto"; off
+    on a CPU, under --deterministic, where central_storage's replicas read the host's
+    variables, and for a Keras model with a layer whose supports_jit is False."""
+    gpus = plan_devices(2, "auto", num_physical_gpus=2)
+    cpus = plan_devices(2, "auto", num_physical_gpus=0)
+    auto = TrainConfig()
+    assert resolve_jit_compile(auto, gpus) == (True, "GPUs compute the towers")
+    assert resolve_jit_compile(auto, cpus) == (False, "no GPU computes the towers")
+    assert resolve_jit_compile(TrainConfig(deterministic=True), gpus) == (False, "--deterministic")
+    assert resolve_jit_compile(TrainConfig(mode="central_storage"), gpus) == (
+        False, "--mode=central_storage reads the variables on /cpu:0")
+    assert resolve_jit_compile(TrainConfig(jit_compile=True), cpus) == (True, "")
+    assert resolve_jit_compile(TrainConfig(jit_compile=False), gpus) == (False, "")
+
+    class NoXla(keras.layers.Layer):
+        def __init__(self):
+            super().__init__(name="no_xla")
+            self.supports_jit = False
+
+        def call(self, x):
+            return x
+
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2), NoXla()])
+    assert resolve_jit_compile(auto, gpus, model) == (False, "layer no_xla (NoXla) does not support XLA")
+    assert resolve_jit_compile(auto, gpus, keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])) == (
+        True, "GPUs compute the towers")
+
+
+def test_a_mode_built_from_an_auto_config_resolves_it_for_its_plan():
+    mode = build_mode(TrainConfig(num_gpus=2), plan_devices(2, "auto", num_physical_gpus=0))
+    assert (mode.config.jit_compile, mode.config.ps_device) == (False, "cpu")
 
 
 def test_multi_worker_runs_one_cpu_replica_per_worker():

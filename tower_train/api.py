@@ -113,17 +113,21 @@ def _warn_unused_devices(config: TrainConfig) -> None:
                              config.num_gpus, _created_num_gpus, _created_num_gpus)
 
 
-def prepare_devices(config: TrainConfig, announce: bool = False):
-    """Checks that the mode fits the devices and creates the logical devices (a DevicePlan).
+def prepare_devices(config: TrainConfig, announce: bool = False, model: object = None) -> tuple[TrainConfig, object]:
+    """Checks that the mode fits the devices and creates the logical devices.
 
-    The plan's line is logged when `announce`; training logs it once the model is built.
+    Returns the config with its "auto" options decided for this machine (--ps_device,
+    --jit_compile, the latter also by `model`'s layers where it is a built Keras model), and
+    the DevicePlan, whose line says what each "auto" chose and why. The line is logged when
+    `announce`; training logs it once the model is built.
     """
-    return _devices_and_reduction(config, announce)[0]
+    return _devices_and_reduction(config, announce, model)[:2]
 
 
-def _devices_and_reduction(config: TrainConfig, announce: bool = False) -> tuple[object, str]:
-    """`prepare_devices`'s plan, and the reduction --all_reduce resolves to on it, which the
-    mode is built with."""
+def _devices_and_reduction(config: TrainConfig, announce: bool = False,
+                           model: object = None) -> tuple[TrainConfig, object, str]:
+    """`prepare_devices`'s config and plan, and the reduction --all_reduce resolves to on it,
+    which the mode is built with."""
     from absl import logging
 
     from tower_train import devices
@@ -132,11 +136,16 @@ def _devices_and_reduction(config: TrainConfig, announce: bool = False) -> tuple
 
     machine_plan = devices.plan_for_this_machine(config.num_gpus, config.ps_device, config.gpu_memory_mb)
     plan = modes.fit_plan_to_mode(config.mode, machine_plan)
+    jit_compile, why = modes.resolve_jit_compile(config, plan, model)
+    if why:
+        plan = dataclasses.replace(plan, choices=(
+            *plan.choices, f"--jit_compile=auto chose {'on' if jit_compile else 'off'}: {why}"))
+    config = dataclasses.replace(config, ps_device=plan.ps_device, jit_compile=jit_compile)
     all_reduce = modes.resolve_all_reduce(config.mode, config.all_reduce, plan)
     devices.apply_device_plan(plan)
     if announce:
         logging.info("%s%s", plan.message, tf32_note(plan.tower_devices, config.tf32))
-    return plan, all_reduce
+    return config, plan, all_reduce
 
 
 def array_source(data: object, eval_data: object, shuffle: bool | None,
@@ -357,7 +366,7 @@ def log_shown() -> Iterator[None]:
 def _fit(config: TrainConfig, worker, model, loss, optimizer, data, num_classes, callbacks,
          metrics, stop, watchdog: peer_watchdog.PeerClock, live_progress: bool):
     """`fit` once the inputs are checked and the train_dir is this run's."""
-    plan, all_reduce = _devices_and_reduction(config)
+    config, plan, all_reduce = _devices_and_reduction(config, model=model)
 
     import tensorflow as tf
 

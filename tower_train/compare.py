@@ -227,7 +227,7 @@ def _compare(argv: list[str]) -> int:
     with TrainDirLock(config.train_dir):
         load_tensorflow()
         check_data(config, None)
-        plan = prepare_devices(config, announce=True)
+        config, plan = prepare_devices(config, announce=True)
         runs = compare_modes(config, plan, modes)
         global_batch = config.global_batch
         rows = summarize(runs, global_batch, warmup)

@@ -58,7 +58,8 @@ WORKERS_MODE = next(rules.name for rules in MODE_RULES.values() if rules.workers
 ONE_PROCESS_MODES = tuple(rules.name for rules in MODE_RULES.values() if not rules.workers)
 SYNC_BN_MODES = tuple(rules.name for rules in MODE_RULES.values() if rules.replica_context)
 CLUSTERS = ("tf_config", "slurm", "auto")  # where multi_worker's workers learn the cluster
-PS_DEVICES = ("cpu", "gpu", "spread")  # spread: over the tower devices (tower mode)
+AUTO = "auto"  # an option's value that this machine decides, once the devices are known
+PS_DEVICES = (AUTO, "cpu", "gpu", "spread")  # spread: over the tower devices (tower mode)
 TOWER_WEIGHTS = ("per_update", "per_micro_step")  # how often tower mode's towers fetch the weights
 OPTIMIZERS = ("sgd", "momentum", "adam")
 NONFINITE_POLICIES = ("stop", "skip")
@@ -69,6 +70,7 @@ MAX_SEED = 2**32 - 1  # Keras's set_random_seed takes no larger seed
 # Shorter, and a healthy worker's one micro-step, or its peers' start-up skew, can run it out.
 MIN_COLLECTIVE_TIMEOUT = 10.0
 _PATHS = ("train_dir", "data_dir", "export_dir")  # fit() takes a pathlib.Path for these too
+AUTO_OR_BOOL = bool | str  # an option that is True, False or AUTO: the --[no]flag, or --flag=auto
 
 
 def option(default, help: str, main: bool = False):  # noqa: A002 (absl's word for it)
@@ -109,12 +111,13 @@ class TrainConfig:
         None, "Tower mode: each tower's share of every micro-batch of num_gpus x batch_size "
         "examples, e.g. 3,1 (each share must come out a whole number of examples); default: "
         "batch_size each. The update stays the weighted mean over its G examples.")
-    # The original kept the variables on the CPU.
+    # Where the benchmark measured each placement fastest (devices.resolve_ps_device).
     ps_device: str = option(
-        "cpu", f"Where the variables live: {' | '.join(PS_DEVICES)} (gpu = GPU 0, or the first "
+        AUTO, f"Where the variables live: {' | '.join(PS_DEVICES)} (gpu = GPU 0, or the first "
         "tower's device when there is no GPU; spread = tower mode's trainable weights, with their "
         "optimizer slots and averages, cut into byte-balanced slices, one per tower device, each "
-        "updated by its device; the counters, BN statistics and the checkpoint's copy on the host).")
+        "updated by its device; the counters, BN statistics and the checkpoint's copy on the host). "
+        "auto: gpu for one tower on a GPU, else cpu; the device line says which and why.")
     # The weights cannot change inside an update, so K - 1 of K fetches are redundant:
     # cifar10_cnn at N = 4, K = 8 moves 17 MB instead of 137 MB for 17 MB more tower memory.
     tower_weights: str = option(
@@ -208,11 +211,13 @@ class TrainConfig:
         "fp32", f"{' | '.join(PRECISIONS)}: the dtype tower mode's gradient sums cross devices in "
         "(reduction and update stay float32); fp16 only with --precision=fp16, whose loss scale "
         "keeps them in range. Default fp32: exact; bf16 halves the gradient bytes and rounds them.")
-    # XLA is not faster on every model, and a first trace takes longer.
-    jit_compile: bool = option(
-        False, "Compile each tower's forward and backward pass with XLA, over the values of the "
+    # Keras's fit's default: XLA where a GPU computes, off on a CPU, where it is rarely faster.
+    jit_compile: AUTO_OR_BOOL = option(
+        AUTO, "Compile each tower's forward and backward pass with XLA, over the values of the "
         "weights it is handed (tower mode) or its replica's variables (mirrored, multi_worker); "
-        "not with central_storage, whose replicas read the parameter device's variables.")
+        "not with central_storage, whose replicas read the parameter device's variables. auto: "
+        "on where GPUs compute the towers and the mode and every layer allow it (Keras's fit "
+        "decides so), else off; the device line says which and why.")
     # TensorFlow's own default: Ampere and later GPUs compute float32 matmuls several times faster.
     tf32: bool = option(
         True, "TensorFloat-32 on GPUs: float32 matmuls and convolutions round their inputs to 10 "
@@ -274,7 +279,7 @@ class TrainConfig:
             raise UsageError(f"--clip_norm={self.clip_norm}: must be a number > 0 (or unset: no clipping)")
         if not 0.0 <= self.ema_decay < 1.0:
             raise UsageError(f"--ema_decay={self.ema_decay}: must be in [0, 1); 0 keeps no average")
-        if self.deterministic and self.jit_compile:
+        if self.deterministic and self.jit_compile is True:
             raise UsageError("--deterministic with --jit_compile: XLA has no deterministic form of "
                              "some gradients (MaxPool's); use one or the other")
         if self.sync_bn and not self.mode_rules.replica_context:
@@ -304,12 +309,14 @@ class TrainConfig:
         hints = typing.get_type_hints(TrainConfig)
         for field in dataclasses.fields(self):
             value, annotation = getattr(self, field.name), hints[field.name]
-            if value is None and isinstance(annotation, types.UnionType):
+            if value is None and type(None) in typing.get_args(annotation):
                 continue
             kind = option_type(annotation)
             if field.name in _PATHS and isinstance(value, os.PathLike):
                 value = os.fspath(value)
-            if kind is bool:
+            if kind == AUTO_OR_BOOL and value == AUTO:
+                continue
+            if kind is bool or kind == AUTO_OR_BOOL:
                 # NumPy's bool is no subclass of bool; numpy itself is not imported for it.
                 valid = isinstance(value, bool) or type(value).__module__ == "numpy" and \
                     type(value).__name__ in ("bool", "bool_")
@@ -319,13 +326,14 @@ class TrainConfig:
                 valid = isinstance(value, numbers.Real)
             else:
                 valid = isinstance(value, str)
-            if not valid or (kind is not bool and isinstance(value, bool)):
+            if not valid or (kind not in (bool, AUTO_OR_BOOL) and isinstance(value, bool)):
                 wanted = {bool: "True or False", int: "a whole number", float: "a number",
-                          str: "a path" if field.name in _PATHS else "a string"}[kind]
+                          str: "a path" if field.name in _PATHS else "a string",
+                          AUTO_OR_BOOL: f"True, False or {AUTO!r}"}[kind]
                 raise UsageError(f"{field.name}={value!r}: must be {wanted}, not a "
                                  f"{type(value).__name__}")
             try:
-                plain = kind(value)  # numpy numbers made plain
+                plain = bool(value) if kind == AUTO_OR_BOOL else kind(value)  # numpy numbers made plain
             except OverflowError:  # a whole number for a float
                 raise UsageError(f"{field.name}: a whole number of {len(str(abs(int(value))))} digits "
                                  "is beyond a float's range") from None
@@ -376,8 +384,9 @@ class TrainConfig:
 
 
 def option_type(annotation: object) -> type:
-    """str, int, float or bool: a field's annotation with an optional None taken off."""
-    if isinstance(annotation, types.UnionType):
+    """str, int, float, bool or AUTO_OR_BOOL: a field's annotation with an optional None taken
+    off."""
+    if isinstance(annotation, types.UnionType) and annotation != AUTO_OR_BOOL:
         (annotation,) = [a for a in typing.get_args(annotation) if a is not type(None)]
     return annotation  # type: ignore[return-value]
 

@@ -38,6 +38,8 @@ class DevicePlan:
       setup: what was found and where the towers are, as the log line says it.
       variables: where the variables live, one of `VARIABLE_LAYOUTS`, or None where the line
         does not say (a multi_worker worker's one CPU replica).
+      ps_device: the --ps_device that placed them, "auto" resolved (`resolve_ps_device`).
+      choices: what each "auto" option chose and why, as the line ends.
     """
 
     tower_devices: tuple[str, ...]
@@ -47,14 +49,17 @@ class DevicePlan:
     gpu_memory_limit_mb: int | None
     setup: str
     variables: str | None
+    ps_device: str = "cpu"
+    choices: tuple[str, ...] = ()
 
     @property
     def message(self) -> str:
-        """The one log line that says what was done: the setup, then where the variables live."""
+        """The one log line that says what was done: the setup, where the variables live, and
+        what the "auto" options chose."""
         where = {"parameter_device": f"parameters on {self.param_device}",
                  "spread": f"parameters spread over {device_span(self.tower_devices)}, counters on {self.param_device}",
                  "mirrored": "variables mirrored on every tower", None: None}[self.variables]
-        return self.setup if where is None else f"{self.setup}; {where}"
+        return "; ".join([self.setup, *([where] if where else []), *self.choices])
 
 
 def plan_devices(
@@ -69,7 +74,8 @@ def plan_devices(
     Args:
       num_gpus: the number of towers; 0 means one tower on the CPU.
       ps_device: "cpu" (the host CPU, as in the original), "gpu" (GPU 0, or
-        the first tower device when there is no GPU) or "spread" (`spread.SpreadPlacement`).
+        the first tower device when there is no GPU), "spread" (`spread.SpreadPlacement`) or
+        "auto" (`resolve_ps_device`).
       num_physical_gpus: how many physical GPUs the machine has.
       gpu0_memory_mb: GPU 0's total memory, when known; used to split it.
       gpu_memory_mb: the `--gpu_memory_mb` override for each logical GPU.
@@ -87,7 +93,7 @@ def plan_devices(
     """
     if num_gpus == 0:
         return DevicePlan((HOST_DEVICE,), HOST_DEVICE, "none", 0, None, "--num_gpus=0: one tower on /cpu:0",
-                          "parameter_device")
+                          "parameter_device", "cpu" if ps_device == "auto" else ps_device)
     if num_physical_gpus >= num_gpus:
         towers = tuple(f"/gpu:{i}" for i in range(num_gpus))
         split, num_logical, limit = "none", 0, None
@@ -113,8 +119,25 @@ def plan_devices(
         split, num_logical, limit = "cpu", num_gpus + 1, None
         setup = (f"no GPU found for --num_gpus={num_gpus}: split the CPU into {num_gpus + 1} "
                    f"logical devices, host /cpu:0, towers on {device_span(towers)}")
-    return DevicePlan(towers, parameter_device(ps_device, towers), split, num_logical, limit, setup,
-                      "spread" if ps_device == "spread" else "parameter_device")
+    chosen, why = resolve_ps_device(ps_device, num_gpus, num_physical_gpus)
+    return DevicePlan(towers, parameter_device(chosen, towers), split, num_logical, limit, setup,
+                      "spread" if chosen == "spread" else "parameter_device", chosen,
+                      (f"--ps_device=auto chose {chosen}: {why}",) if why else ())
+
+
+def resolve_ps_device(ps_device: str, num_gpus: int, num_physical_gpus: int) -> tuple[str, str]:
+    """What --ps_device=auto places the variables on, and why; any other value as it is, with
+    no reason. The fastest placement that was measured for the machine (docs/gpu.md): with one
+    tower on a GPU, that GPU, which then computes with the weights it holds instead of copying
+    them in and the gradients out once per update; with several towers, the host, fastest of
+    cpu, gpu and spread for 4 towers on one GPU; with no GPU, the host, as in the original."""
+    if ps_device != "auto":
+        return ps_device, ""
+    if num_physical_gpus == 0:
+        return "cpu", "no GPU, the host"
+    if num_gpus == 1:
+        return "gpu", "one tower, on the GPU it computes on"
+    return "cpu", f"{num_gpus} towers, the host (fastest for 4 towers on one GPU, docs/gpu.md)"
 
 
 def parameter_device(ps_device: str, tower_devices: tuple[str, ...]) -> str:

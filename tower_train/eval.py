@@ -79,7 +79,7 @@ def evaluate_checkpoint(model: object = None, data: object = None, *, checkpoint
     check_data(config, data)
     # Evaluation has no strategy: the towers of tower mode, whatever --mode trained the checkpoint.
     config = dataclasses.replace(config, mode=HAND_PLACED_MODE, all_reduce="auto", sync_bn=False)
-    plan = prepare_devices(config)
+    config, plan = prepare_devices(config)
 
     import tensorflow as tf
 

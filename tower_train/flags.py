@@ -12,10 +12,30 @@ import typing
 
 from absl import flags
 
-from tower_train.config import ONE_PROCESS_MODES, WORKERS_MODE, TrainConfig, option_type
+from tower_train.config import AUTO, AUTO_OR_BOOL, ONE_PROCESS_MODES, WORKERS_MODE, TrainConfig, option_type
+
+
+class _AutoOrBoolParser(flags.BooleanParser):
+    """A boolean flag's values, and AUTO."""
+
+    def parse(self, argument):
+        if isinstance(argument, str) and argument.lower() == AUTO:
+            return AUTO
+        try:
+            return super().parse(argument)
+        except (TypeError, ValueError):
+            raise ValueError(f"unknown; allowed: true, false, {AUTO}") from None
+
+
+def _define_auto_or_bool(name: str, default, help: str) -> flags.FlagHolder:  # noqa: A002
+    """A flag given as --name, --noname or --name=auto: absl's boolean forms, and AUTO."""
+    # boolean=True: absl then takes the bare --name and --noname, as for DEFINE_bool.
+    return flags.DEFINE_flag(flags.Flag(_AutoOrBoolParser(), flags.ArgumentSerializer(), name, default,
+                                        help, boolean=True))
+
 
 _DEFINE_BY_TYPE = {str: flags.DEFINE_string, int: flags.DEFINE_integer,
-                   float: flags.DEFINE_float, bool: flags.DEFINE_bool}
+                   float: flags.DEFINE_float, bool: flags.DEFINE_bool, AUTO_OR_BOOL: _define_auto_or_bool}
 
 
 TRAINING_FLAGS: dict[str, flags.FlagHolder] = {

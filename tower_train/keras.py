@@ -140,6 +140,8 @@ def fit(model: keras.Model, x: Any = None, y: Any = None, batch_size: int | None
     given_dir = options.pop("train_dir", None)
     train_dir = given_dir if given_dir is not None else keras_temp_dir.make("tower_train_keras_")
     options.setdefault("ema_decay", 0.0)  # Keras keeps no moving average
+    # compile()'s jit_compile, as Keras decided it ("auto": on where a GPU computes, as here).
+    options.setdefault("jit_compile", bool(model.jit_compile))
     options.setdefault("sparse_steps", True)  # an Embedding's rows per occurrence, as Keras steps them
     if given_dir is None:  # nothing resumes from it: only the save at the end, which is required
         options.setdefault("checkpoint_every", sum(lengths))

@@ -79,7 +79,7 @@ def _normalization(argv: list[str]) -> int:
         raise UsageError(f"--updates={updates.value}: must be a whole number >= 1")
     load_tensorflow()
     check_data(config, None)
-    prepare_devices(config)
+    config, _ = prepare_devices(config)
     results = compare_normalizations(config, updates.value)
     print(f"{config.model} on {config.dataset}: G = {config.global_batch} examples per update in "
           f"{config.num_towers} x {config.accum} shards of {'/'.join(map(str, config.tower_shard_sizes))}")

@@ -102,15 +102,17 @@ def _benchmark(argv: list[str]) -> int:
         raise UsageError(f"--slow_tower_ms={options['slow_tower_ms'].value}: must be a number >= 0")
     if options["slow_tower_ms"].value and measure != "time":
         raise UsageError("--slow_tower_ms: only with --measure=time")
-    if options["slow_tower_ms"].value and config.jit_compile:
-        raise UsageError("--slow_tower_ms: not with --jit_compile (XLA cannot compile the slowed "
-                         "tower's sleep)")
+    if options["slow_tower_ms"].value:
+        if config.jit_compile is True:
+            raise UsageError("--slow_tower_ms: not with --jit_compile (XLA cannot compile the slowed "
+                             "tower's sleep)")
+        config = dataclasses.replace(config, jit_compile=False)  # what --jit_compile=auto would not know
     link_gbps = _link_speeds(options["link_gbps"].value)
     if link_gbps and measure != "traffic":
         raise UsageError("--link_gbps: only with --measure=traffic")
     load_tensorflow()
     check_data(config, None)
-    plan = prepare_devices(config, announce=True)
+    config, plan = prepare_devices(config, announce=True)
     with run_numerics(config.deterministic, config.tf32):
         if measure == "memory":
             results = measure_memory(benches, argv)

@@ -32,7 +32,7 @@ def _peak_memory(argv: list[str]) -> int:
     config = parse_config(argv, __doc__ or "", options)
     bench = parse_config_name(_one(options["configs"].value), config.batch_size)
     check_data(config, None)
-    plan = prepare_devices(config)
+    config, plan = prepare_devices(config)
     workload = build_workload(bench, config, plan)
     gpus = _gpu_names(plan)
     rss_before = _status_mb("VmRSS")

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, ClassVar, ContextManager
 from absl import logging
 
 from tower_train.workers.cluster import SINGLE_PROCESS, WorkerInfo, server_start, strategy_resolver
-from tower_train.config import DTYPES, MODE_RULES, ModeRules, TrainConfig
+from tower_train.config import AUTO, DTYPES, MODE_RULES, ModeRules, TrainConfig
 from tower_train.devices import HOST_DEVICE, DevicePlan, Placement, StrategyPlacement, device_span, plan_devices
 from tower_train.errors import UsageError
 
@@ -33,8 +33,9 @@ def fit_plan_to_mode(mode: str, plan: DevicePlan) -> DevicePlan:
     """The device plan a mode can run: MultiWorkerMirroredStrategy runs one replica on a
     worker's /cpu:0 when the worker has no GPU, so a CPU split is of no use to it; and the
     mirrored modes have no parameter device, so the plan's line does not name one."""
-    if MODE_RULES[mode].mirrors_variables:
-        plan = dataclasses.replace(plan, variables="mirrored")
+    if MODE_RULES[mode].mirrors_variables:  # no parameter device: --ps_device placed nothing
+        plan = dataclasses.replace(plan, variables="mirrored",
+                                   choices=tuple(c for c in plan.choices if not c.startswith("--ps_device")))
     if not MODE_RULES[mode].workers or plan.split != "cpu":
         return plan
     if len(plan.tower_devices) > 1:
@@ -70,6 +71,31 @@ def check_jit_compile(mode: str, plan: DevicePlan) -> None:
                          "or --mode=mirrored")
 
 
+def resolve_jit_compile(config: TrainConfig, plan: DevicePlan, model: object = None) -> tuple[bool, str]:
+    """Whether the towers compile with XLA, and why when --jit_compile=auto decided it (else "").
+
+    auto decides as Keras's fit decides its own `jit_compile="auto"`: on where GPUs compute,
+    off on a CPU (where XLA is rarely faster), under --deterministic, and for a Keras `model`
+    with a layer whose `supports_jit` is False; also off where the mode cannot compile its
+    towers (`check_jit_compile`). A model that is not yet built is taken to compile.
+    """
+    if config.jit_compile != AUTO:
+        return config.jit_compile, ""
+    if not plan.tower_devices[0].startswith("/gpu"):
+        return False, "no GPU computes the towers"
+    try:
+        check_jit_compile(config.mode, plan)
+    except UsageError:
+        return False, f"--mode={config.mode} reads the variables on {plan.param_device}"
+    if config.deterministic:
+        return False, "--deterministic"
+    layers = None if isinstance(model, type) else getattr(model, "_flatten_layers", None)
+    unsupported = [layer for layer in layers() if not getattr(layer, "supports_jit", True)] if layers else []
+    if unsupported:
+        return False, f"layer {unsupported[0].name} ({type(unsupported[0]).__name__}) does not support XLA"
+    return True, "GPUs compute the towers"
+
+
 class Mode:
     """How a run places its variables and runs its updates: one subclass per --mode, which owns
     its strategy (none in tower mode) and its inner step. What each mode is and allows is its
@@ -79,9 +105,13 @@ class Mode:
 
     def __init__(self, *, config: TrainConfig, plan: DevicePlan, worker: WorkerInfo, all_reduce: str):
         """Creates the mode's strategy; call it before any other TF op runs. `all_reduce`: the
-        reduction `resolve_all_reduce` gave for the config on `plan`."""
-        if config.jit_compile:
+        reduction `resolve_all_reduce` gave for the config on `plan`. The config's "auto" options
+        are resolved as `api.prepare_devices` resolves them, where the caller has not."""
+        jit_compile, _ = resolve_jit_compile(config, plan)
+        if jit_compile:
             check_jit_compile(self.rules.name, plan)
+        config = dataclasses.replace(config, jit_compile=jit_compile,
+                                     ps_device=plan.ps_device if config.ps_device == AUTO else config.ps_device)
         self.config, self.plan, self.worker = config, plan, worker
         self.all_reduce = all_reduce
         self.placement = self._placement()
