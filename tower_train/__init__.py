@@ -8,6 +8,11 @@ from __future__ import annotations
 import importlib
 
 from tower_train.errors import Stopped, TrainingError, UsageError
+from tower_train.quiet_start import quiet_tensorflow_start
+
+# Before anything loads TensorFlow: a script that imports tower_train first, then keras, sees
+# none of TensorFlow's C++ start-up lines (README.md, "TensorFlow's start-up lines").
+quiet_tensorflow_start()
 
 _LAZY = {
     "fit": "tower_train.api",

@@ -13,14 +13,12 @@ with TOWER_TRAIN_TRACEBACK=1 the full traceback follows it.
 """
 from __future__ import annotations
 
-import contextlib
 import logging as stdlib_logging
 import os
 import signal
 import sys
-import tempfile
 import traceback
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable
 
 from absl import flags, logging
 
@@ -29,6 +27,7 @@ from tower_train.workers import peer_watchdog
 from tower_train import flags as tt_flags
 from tower_train.config import TrainConfig
 from tower_train.errors import Stopped, TrainingError, UsageError
+from tower_train.quiet_start import native_startup_lines_hidden
 from tower_train.user_code import TRACEBACK_VARIABLE, UserCodeError
 
 PROG = "tower_train"
@@ -101,7 +100,6 @@ def parse_config(argv: list[str], usage: str, command_flags: Iterable[str] = ())
     logging.use_absl_handler()
     logging.set_verbosity(logging.INFO)
     logging.get_absl_handler().addFilter(_no_tensorflow_info)
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TF's C++ info and warnings
     return config
 
 
@@ -149,33 +147,6 @@ def _no_tensorflow_info(record: stdlib_logging.LogRecord) -> bool:
     and its warnings are about its internals (a tf.function traced once per configuration of the
     benchmark counts as "retracing"): the product's own lines say what the user must know."""
     return record.levelno >= stdlib_logging.ERROR or f"{os.sep}tensorflow{os.sep}" not in record.pathname
-
-
-@contextlib.contextmanager
-def native_startup_lines_hidden() -> Iterator[None]:
-    """Hides what TF's C++ side prints while it loads and probes for GPUs.
-
-    Those lines (oneDNN, CUDA probing) are written before any log level
-    applies, and would bury both the one-line errors and the device plan's
-    log line, which says the same in plain words. If loading fails, they are
-    shown after all; a usage error or a Ctrl-C is the user's, not TF's, and stays one line.
-    """
-    sys.stderr.flush()
-    saved = os.dup(2)
-    with tempfile.TemporaryFile() as sink:
-        os.dup2(sink.fileno(), 2)
-        try:
-            yield
-        except (UsageError, KeyboardInterrupt):
-            raise
-        except BaseException:
-            os.dup2(saved, 2)
-            sink.seek(0)
-            sys.stderr.write(sink.read().decode(errors="replace"))
-            raise
-        finally:
-            os.dup2(saved, 2)
-            os.close(saved)
 
 
 def run() -> None:
