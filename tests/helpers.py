@@ -37,7 +37,7 @@ def make_run(model=None, source: data.Source | None = None, **overrides) -> Run:
 def host_batches(run: Run):
     """`run.batches()` preprocessed on the host and not fed to the devices: global micro-batches
     of the model's input, for a test that reads or poisons the images (the run's own stream is
-    raw, `data.RawInput`, for the towers to preprocess); `fed` gives them to the step, which
+    raw, `data/source.RawInput`, for the towers to preprocess); `fed` gives them to the step, which
     takes either."""
     return iter(run.source.train_stream(
         seed=run.config.seed, start_position=int(run.state.examples_seen.numpy()),
