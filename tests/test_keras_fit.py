@@ -356,10 +356,148 @@ def test_a_model_with_its_own_train_step_is_refused_in_one_line_naming_it():
     with pytest.raises(tower_train.UsageError) as refused:
         tower_train.keras.fit(model, x, y)
     assert str(refused.value) == (
-        f"model {model.name}: test_keras_fit.OwnStep overrides train_step, which "
-        "tower_train.keras.fit never calls (it runs its own update, over towers and micro-steps, "
-        "from compile()'s loss); compile it with that loss and no train_step, or train it with "
-        "Keras's own fit")
+        f"model {model.name}: test_keras_fit.OwnStep.train_step is never called by "
+        "tower_train.keras.fit, which runs its own update over towers and micro-steps; override "
+        "compute_loss(self, x, y, y_pred, sample_weight, training) instead, which it calls on "
+        "every tower (docs/keras.md), or train with Keras's own fit")
+    model = own_loss_model(GuideLoss)
+    model.compile(optimizer="adam")
+    x, _ = data("softmax")
+    with pytest.raises(tower_train.UsageError, match=(
+            r"^mode='mirrored': test_keras_fit.GuideLoss overrides compute_loss, which "
+            r"tower_train.keras.fit calls in mode='tower' \(the default\) only$")):
+        tower_train.keras.fit(model, x, x[:, :1], mode="mirrored", **LAYOUT)
+    model = own_loss_model(PerExample)
+    model.compile(optimizer="adam")
+    with pytest.raises(tower_train.UsageError, match=(
+            r"test_keras_fit.PerExample.compute_loss: returned shape \[1\]; it must return a "
+            r"scalar, the mean over the batch it is given, as Keras's does$")):
+        tower_train.keras.fit(model, x, x[:, :1], **LAYOUT)
+
+
+class PerExample(keras.Model):
+    """A compute_loss that returns one loss per example, not their mean."""
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+        return keras.ops.mean(keras.ops.square(y_pred - y), axis=-1)
+
+
+class GuideLoss(keras.Model):
+    """The customizing-fit guide's compute_loss: its own mean squared error plus self.losses, and
+    its own loss tracker as the model's only metric; compiled with no loss."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.loss_tracker = keras.metrics.Mean(name="loss")
+
+    def compute_loss(self, x, y, y_pred, sample_weight, training=True):
+        loss = keras.ops.mean((y_pred - y) ** 2)
+        loss += keras.ops.sum(self.losses)
+        self.loss_tracker.update_state(loss)
+        return loss
+
+    def reset_metrics(self):
+        self.loss_tracker.reset_state()
+
+    @property
+    def metrics(self):
+        return [self.loss_tracker]
+
+
+class Unused(keras.Model):
+    """A layer that the outputs never reach, and Keras's own test_step, which evaluate calls."""
+
+    def __init__(self):
+        super().__init__()
+        self.dense = keras.layers.Dense(1, activation="sigmoid")
+        self.unused = keras.layers.Dense(1, name="unused")
+        self.unused.build((None, 5))
+
+    def call(self, inputs):
+        return self.dense(inputs)
+
+    def test_step(self, data):
+        return super().test_step(data)
+
+
+def test_warnings_name_the_users_model_and_loss_not_tower_trains_own(caplog):
+    """The warning of weights the loss never reaches names the model's class and its compiled
+    loss, not a function or class of tower_train; nothing warns of test_step, which evaluate
+    calls, nor of an own compute_loss, which the towers call."""
+    x, y = data("binary")
+    model = Unused()
+    model.compile(optimizer="adam", loss="binary_crossentropy")
+    tower_train.keras.fit(model, x, y, batch_size=B, epochs=1, verbose=0,
+                          validation_split=0.25, **LAYOUT)
+    said = [record.getMessage() for record in caplog.records if record.levelname == "WARNING"]
+    assert [text for text in said if "get no gradient" in text] == [
+        "model=test_keras_fit.Unused: 2 of 4 trainable variables get no gradient from the loss "
+        "and will not change: unused/kernel, unused/bias"]
+    for text in said:
+        assert "tower_train" not in text and "<locals>" not in text and "CompiledLoss" not in text
+        assert "test_step" not in text
+    caplog.clear()
+    x, _ = data("softmax", seed=8)
+    model = own_loss_model(GuideLoss)
+    model.compile(optimizer="adam")
+    tower_train.keras.fit(model, x, x[:, :1], batch_size=B, epochs=1, verbose=0, **LAYOUT)
+    assert not [record for record in caplog.records if "compute_loss" in record.getMessage()]
+
+
+class ExtraTerm(keras.Model):
+    """Keras's compiled loss (super().compute_loss, with the sample weights) plus a term of its
+    own on the outputs, tracked as a metric of its own."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.penalty = keras.metrics.Mean(name="penalty")
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+        penalty = 0.5 * keras.ops.mean(keras.ops.square(y_pred))
+        self.penalty.update_state(penalty)
+        return super().compute_loss(x, y, y_pred, sample_weight, training) + penalty
+
+
+def own_loss_model(kind) -> keras.Model:
+    inputs = keras.Input((5,))
+    hidden = keras.layers.Dense(8, activation="tanh", kernel_regularizer=keras.regularizers.L2(0.01),
+                                activity_regularizer=keras.regularizers.L2(0.01))(inputs)
+    return kind(inputs, keras.layers.Dense(1)(hidden))
+
+
+@pytest.mark.parametrize("kind", [GuideLoss, ExtraTerm])
+def test_an_own_compute_loss_is_called_on_every_tower_and_trains_as_kerass_fit(kind):
+    """A model whose class overrides compute_loss, with a weight and an activity regularizer:
+    2 towers x 2 micro-steps end at the weights of Keras's fit at batch_size x accum to 1e-4
+    (relative), the sample weights reaching super().compute_loss, and History's keys and values
+    (the loss, the metric the compute_loss updates) are Keras's."""
+    keras.utils.set_random_seed(14)
+    initial = own_loss_model(kind).get_weights()
+    x, _ = data("softmax", seed=8)
+    y = (x[:, :1] * 2.0 - x[:, 1:2]).astype(np.float32)
+    weighting = {} if kind is GuideLoss else dict(sample_weight=np.linspace(0.5, 1.5, EXAMPLES))
+
+    def own_compiled():
+        model = own_loss_model(kind)
+        model.set_weights(initial)
+        model.compile(optimizer=keras.optimizers.Adam(1e-2),
+                      loss=None if kind is GuideLoss else "mse")
+        return model
+
+    reference = own_compiled()
+    want = reference.fit(x, y, batch_size=B * K, epochs=EPOCHS, shuffle=False, verbose=0,
+                         **weighting)
+    model = own_compiled()
+    history, said = fit_warnings(lambda: tower_train.keras.fit(
+        model, x, y, batch_size=B, epochs=EPOCHS, shuffle=False, verbose=0, **weighting,
+        **LAYOUT))
+    assert np.abs(model.get_weights()[0] - initial[0]).max() > 1e-2  # it trained
+    for got, expected in zip(model.get_weights(), reference.get_weights(), strict=True):
+        np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-6)
+    assert sorted(history.history) == sorted(want.history)
+    for key, values in want.history.items():
+        np.testing.assert_allclose(history.history[key], values, rtol=1e-4, err_msg=key)
+    assert not [text for text in said if "compute_loss" in text]
 
 
 def test_the_readme_keras_io_script_runs_with_its_one_changed_call(tmp_path):

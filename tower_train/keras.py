@@ -17,7 +17,8 @@ callbacks, the History and the progress bar. docs/keras.md maps every argument:
 - The loss is the compiled loss as Keras computes it over one batch of G (one, or one per
   output with loss_weights; keras_loss.py): sample_weight and class_weight multiply each
   example's loss, the sum is divided by the number of losses (Keras's "sum_over_batch_size"),
-  the model's regularization losses are added once. The weights travel
+  the model's regularization losses are added once; or the model's own compute_loss, called on
+  every tower's share (keras_loss.py, docs/keras.md). The weights travel
   with the targets (as `(y, sample_weight)`) so that the run's weighted mean, with every example
   weighing 1, is that quotient.
 - The optimizer is a copy of the compiled one (its rate or schedule, its clipping); afterwards
@@ -37,7 +38,7 @@ import bisect
 import itertools
 import math
 import warnings
-from typing import Any
+from typing import Any, Callable
 
 import keras
 import numpy as np
@@ -127,7 +128,8 @@ def fit(model: keras.Model, x: Any = None, y: Any = None, batch_size: int | None
     batches = math.ceil((epoch_examples or source.train_size) / (batch_size * accum))
     per_epoch = batches if steps_per_epoch is None else steps_per_epoch
     lengths = epoch_lengths(steps_per_epoch, batches, max(epochs - initial_epoch, 0))
-    loss = CompiledLoss(model, *tf.nest.map_structure(lambda a: a[:1], (features, targets)))
+    loss = CompiledLoss(model, *tf.nest.map_structure(lambda a: a[:1], (features, targets)),
+                        weighted=sample_weight is not None or class_weight is not None)
     loop = _KerasFitLoop(model, callbacks, verbose, epochs, initial_epoch, per_epoch, lengths,
                          held_out,
                          validation_freq, validation_steps, validation_batch_size or batch_size,
@@ -154,7 +156,7 @@ def fit(model: keras.Model, x: Any = None, y: Any = None, batch_size: int | None
             # mixed_float16's: the run scales the loss itself, once per update (precision fp16),
             # with the policy of Keras's LossScaleOptimizer, which would count micro-steps.
             options["precision"] = "fp16"
-        api.fit(model=(lambda: model) if in_place else model, loss=loss,
+        api.fit(model=_returning(model) if in_place else model, loss=loss,
                 optimizer=_stepping(model.optimizer), data=source, callbacks=[loop],
                 show_progress=False,
                 num_gpus=num_gpus, accum=accum, batch_size=batch_size // towers,
@@ -178,13 +180,21 @@ def _check_arguments(model, verbose, epochs, initial_epoch, validation_freq, shu
                          "keras.Model (for a tower_train.TowerModel use tower_train.fit)")
     own = type(model)
     if own.train_step is not keras.Model.train_step:
-        raise UsageError(f"model {model.name}: {own.__module__}.{own.__qualname__} overrides "
-                         "train_step, which tower_train.keras.fit never calls (it runs its own "
-                         "update, over towers and micro-steps, from compile()'s loss); compile it "
-                         "with that loss and no train_step, or train it with Keras's own fit")
-    if not getattr(model, "compiled", False) or model.loss is None:
+        raise UsageError(f"model {model.name}: {own.__module__}.{own.__qualname__}.train_step is "
+                         "never called by tower_train.keras.fit, which runs its own update over "
+                         "towers and micro-steps; override compute_loss(self, x, y, y_pred, "
+                         "sample_weight, training) instead, which it calls on every tower "
+                         "(docs/keras.md), or train with Keras's own fit")
+    own_loss = own.compute_loss is not keras.Model.compute_loss
+    if not getattr(model, "compiled", False) or (model.loss is None and not own_loss):
         raise UsageError(f"model {model.name}: is not compiled with a loss; call model.compile("
                          "optimizer=..., loss=...) first, as for model.fit")
+    mode = options.get("mode", TrainConfig.mode)
+    if own_loss and mode != TrainConfig.mode:
+        # A strategy trains a clone, and Keras's losses divide by its replicas in replica context.
+        raise UsageError(f"mode={mode!r}: {own.__module__}.{own.__qualname__} overrides "
+                         f"compute_loss, which tower_train.keras.fit calls in mode="
+                         f"{TrainConfig.mode!r} (the default) only")
     for name in options:
         if name in _SET_HERE:
             raise UsageError(f"{name}=: tower_train.keras.fit sets it from {_SET_HERE[name]}; "
@@ -230,6 +240,16 @@ def _warn_differences(model: keras.Model, towers: int, accum: int, options: dict
             logging.warning("tower_train.keras.fit: %s normalizes each tower's micro-batch of "
                             "batch_size / num_gpus examples, not the update's batch_size x accum "
                             "as Keras's fit would (docs/batchnorm.md)", ", ".join(normalizing))
+
+
+def _returning(model: keras.Model) -> Callable[[], keras.Model]:
+    """A function that returns `model`, named as its class, so that the run's messages name the
+    user's model (model=module.Class) rather than a function of this module."""
+    def returning() -> keras.Model:
+        return model
+
+    returning.__module__, returning.__qualname__ = type(model).__module__, type(model).__qualname__
+    return returning
 
 
 def _stepping(optimizer: keras.optimizers.Optimizer) -> keras.optimizers.Optimizer:

@@ -1,6 +1,7 @@
 """The loss `model.compile()` gave, as the per-example loss of `tower_train.fit`, for
 `tower_train.keras.fit` (keras.py): one loss for one output, or a loss per output (a dict by
-output name, or a list in the outputs' order) with `loss_weights`.
+output name, or a list in the outputs' order) with `loss_weights`; or the model's own
+`compute_loss`, where its class overrides Keras's.
 
 The run's network returns one tensor (step/towers.py weighs one loss per example), so the outputs of
 a model of several are packed into one, [b, sum of their sizes], by `KerasModel.call` when its
@@ -8,8 +9,9 @@ loss says `packs_outputs` (keras_model.py), and unpacked here into the model's s
 """
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import Any
+from typing import Any, Iterator
 
 import keras
 import tensorflow as tf
@@ -23,17 +25,32 @@ class CompiledLoss:
     none and the sample weights, as Keras weighs them, then each example's mean over its other
     axes, times the output's loss weight, summed over the outputs. With every example weighing
     1 in the run, an update's weighted mean of these is Keras's total loss over the update: the
-    sum over outputs of loss weight times "sum_over_batch_size" of that output's losses."""
+    sum over outputs of loss weight times "sum_over_batch_size" of that output's losses.
+
+    A model whose class overrides Keras's `compute_loss` has that called instead, once for each
+    tower's share of a micro-step, and its value, the mean over the share's examples, stands for
+    each of them, so that the update's mean over its G examples is the mean of these means
+    weighed by the shares' sizes: what `compute_loss` gives on the batch of G when it is a mean of
+    one term per example (docs/keras.md)."""
 
     packs_outputs = True  # KerasModel packs several outputs into one tensor for it
+    # What Keras's fit calls of an override and this calls too: the model's compute_loss, and
+    # its test_step through evaluate (model_spec.warn_of_unused_overrides).
+    honoured_overrides = ("compute_loss", "test_step")
 
-    def __init__(self, model: keras.Model, features: Any, targets: Any):
+    def __init__(self, model: keras.Model, features: Any, targets: Any, weighted: bool = True):
         """`features` and `targets`: the first examples, which tell the "crossentropy" alias
-        which crossentropy it is, as compile() tells it from the first batch."""
+        which crossentropy it is, as compile() tells it from the first batch. `weighted`: whether
+        the user gave sample or class weights, else an own compute_loss is given none, as by
+        Keras."""
         from keras.src.trainers.compile_utils import get_loss  # compile()'s own resolution
 
         outputs = model(features, training=False)
-        self._model = model
+        self._model, self._weighted = model, weighted
+        own = type(model)
+        self.own_compute_loss = own.compute_loss is not keras.Model.compute_loss
+        self.label = (f"{own.__module__}.{own.__qualname__}.compute_loss" if self.own_compute_loss
+                      else f"model {model.name}'s compiled loss")
         # The structure of the model's outputs, in which the metrics take them.
         self._structure = tf.nest.map_structure(lambda _: 0, outputs)
         self._names = _output_names(model, outputs)
@@ -42,7 +59,8 @@ class CompiledLoss:
         self.several_outputs = len(self._names) > 1
         self._packed = tf.nest.is_nested(outputs)  # by KerasModel.call, a list of one too
         first = _in_order(targets, self._names, "y")
-        losses = _per_output(model.loss, self._names, "loss")
+        # An own compute_loss decides what of compile()'s loss it uses (super().compute_loss).
+        losses = _per_output(None if self.own_compute_loss else model.loss, self._names, "loss")
         weights = _per_output(model.get_compile_config().get("loss_weights"), self._names,
                               "loss_weights")
         self._losses = []  # (output's index, unreduced loss, loss weight)
@@ -62,10 +80,18 @@ class CompiledLoss:
         config = model.get_compile_config()
         # The metrics Keras's train step keeps: the compiled ones, and each output's loss when
         # there are several.
+        # An own compute_loss may update metrics, as the customizing-fit guide's does.
         self.tracks_metrics = bool(config.get("metrics") or config.get("weighted_metrics")
-                                   or self.several_outputs)
+                                   or self.several_outputs or self.own_compute_loss)
 
     def __call__(self, targets: tuple[Any, tf.Tensor], outputs: tf.Tensor) -> tf.Tensor:
+        if self.own_compute_loss:
+            loss = tf.cast(self._own_loss(targets, outputs), tf.float32)
+            if loss.shape.rank != 0:
+                raise UsageError(f"{self.label}: returned shape {loss.shape.as_list()}; it must "
+                                 "return a scalar, the mean over the batch it is given, as Keras's "
+                                 "does")
+            return tf.broadcast_to(loss, tf.shape(outputs)[:1])
         y, sample_weight = targets
         y = _in_order(y, self._names, "y")
         outputs = self._unpacked(outputs)
@@ -84,11 +110,24 @@ class CompiledLoss:
         outputs) updated from one tower pass's targets and its training outputs, as Keras's train
         step updates them from its forward pass: inside the compiled update, so a metric's state
         adds up over the towers and micro-steps of an update as over one batch of G."""
+        if self.own_compute_loss:  # for the metrics it updates, once a pass as Keras's train step
+            self._own_loss(targets, outputs)
         y, sample_weight = targets
         outputs = tf.nest.pack_sequence_as(self._structure, self._unpacked(outputs))
-        if self.several_outputs:  # updates each output's loss metric
+        if self.several_outputs and not self.own_compute_loss:  # each output's loss metric
             self._model.compute_loss(None, y, outputs, sample_weight=sample_weight, training=False)
         self._model.compute_metrics(None, y, outputs, sample_weight=sample_weight)
+
+    def _own_loss(self, targets: tuple[Any, tf.Tensor], outputs: tf.Tensor) -> tf.Tensor:
+        """The model's own compute_loss on one pass's targets and outputs, in its outputs'
+        structure (x is not at hand: None), with `model.losses` reading 0 inside: the run adds
+        the model's regularization once per update and its add_loss losses as means over the
+        update (models/base.py), as Keras's compute_loss adds `self.losses`."""
+        y, sample_weight = targets
+        outputs = tf.nest.pack_sequence_as(self._structure, self._unpacked(outputs))
+        with _losses_read_as_zero(self._model):
+            return self._model._compute_loss(  # Keras's, which passes training= where taken
+                None, y, outputs, sample_weight if self._weighted else None, training=True)
 
     def _unpacked(self, outputs: tf.Tensor) -> list[tf.Tensor]:
         """The outputs `KerasModel.call` packed, as a list in the outputs' order."""
@@ -101,6 +140,8 @@ class CompiledLoss:
         """(path, labels, loss, classes) for each output's labels in a source's `(y,
         sample_weight)` arrays, with its loss and the last dimension of its outputs: what
         `keras_model.check_labels` checks."""
+        if self.own_compute_loss:  # the user's function alone knows how it reads them
+            return []
         y = labels[0]
         arrays = _in_order(y, self._names, "y")
         if isinstance(y, dict):
@@ -110,6 +151,19 @@ class CompiledLoss:
             paths = [f"[0][{i}]" for i in range(len(arrays))] if isinstance(y, (list, tuple)) else ["[0]"]
         return [(paths[index], arrays[index], loss, self._shapes[index][-1])
                 for index, loss, _ in self._losses if self._shapes[index]]
+
+
+@contextlib.contextmanager
+def _losses_read_as_zero(model: keras.Model) -> Iterator[None]:
+    """`model.losses` reads [0.0] inside: Keras's `losses` returns its override list when that
+    is not empty."""
+    override = model._losses_override
+    kept = list(override)
+    override[:] = [tf.zeros(())]
+    try:
+        yield
+    finally:
+        override[:] = kept
 
 
 def _output_names(model: keras.Model, outputs: Any) -> list[str]:

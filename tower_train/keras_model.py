@@ -57,6 +57,12 @@ class KerasModel(TowerModel):
     def tracks_training_metrics(self) -> bool:
         return getattr(self._per_label_loss, "tracks_metrics", False)
 
+    @property
+    def honoured_overrides(self) -> tuple[str, ...]:
+        """The methods of Keras's fit that the run calls where the network overrides them (a
+        compiled loss's, under tower_train.keras.fit: keras_loss.py); none for a plain loss."""
+        return getattr(self._per_label_loss, "honoured_overrides", ())
+
     def update_training_metrics(self, labels: Any, logits: tf.Tensor) -> None:
         self._per_label_loss.update_metrics(labels, logits)
 
@@ -105,7 +111,9 @@ def per_label_loss(loss: object) -> tuple[PerLabelLoss, str]:
         resolved, label = loss, f"loss={type(loss).__name__}"
     elif callable(loss):
         resolved = loss
-        label = f"loss={getattr(loss, '__module__', '?')}.{getattr(loss, '__qualname__', type(loss).__qualname__)}"
+        # A loss may name itself (tower_train.keras.fit's: the user's compiled loss or compute_loss).
+        label = getattr(loss, "label", None) or (
+            f"loss={getattr(loss, '__module__', '?')}.{getattr(loss, '__qualname__', type(loss).__qualname__)}")
     else:
         raise UsageError(f"loss={loss!r}: expected a Keras loss name, a keras.losses.Loss, or a "
                          "callable (labels, outputs) -> one loss per label")

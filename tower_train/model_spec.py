@@ -360,7 +360,9 @@ def warn_of_unused_overrides(what: str, model: TowerModel, loss_name: str) -> No
     """Names, in one warning, the methods of Keras's fit and evaluate that the user's network
     overrides: tower-train runs its own update and evaluation, so they would be ignored silently."""
     network = model.network if isinstance(model, KerasModel) else model
-    overridden = [name for name in _FIT_STEPS if getattr(type(network), name) is not getattr(keras.Model, name)]
+    honoured = model.honoured_overrides if isinstance(model, KerasModel) else ()
+    overridden = [name for name in _FIT_STEPS if name not in honoured
+                  and getattr(type(network), name) is not getattr(keras.Model, name)]
     if overridden:
         logging.warning("%s: overrides keras.Model's %s, which tower-train never calls: its updates and "
                         "held-out evaluations run the model's call() and %s per label, the update rule "
