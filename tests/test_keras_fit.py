@@ -777,6 +777,31 @@ def test_backup_and_restore_resumes_an_interrupted_run_as_kerass_does(tmp_path):
     assert not (tmp_path / "ours").exists()  # deleted at the end, as by Keras
 
 
+def test_a_loaded_model_resumes_the_train_dir(tmp_path):
+    """Interrupted at epoch 2 of 4 with a train_dir, then `keras.models.load_model` of the model
+    saved there, as a new process gets it back: its compiled optimizer is built, where the
+    train_dir's checkpoint holds it unbuilt, and the rerun resumes the checkpoint with the
+    uninterrupted run's weights (it was refused as "written by another model")."""
+    keras.utils.set_random_seed(13)
+    initial = softmax().get_weights()
+    x, y = data("softmax", seed=10)
+    options = dict(batch_size=B, epochs=4, shuffle=False, verbose=0, **LAYOUT)
+    uninterrupted = compiled(softmax, initial, "categorical_crossentropy")
+    tower_train.keras.fit(uninterrupted, x, y, **options)
+    model = compiled(softmax, initial, "categorical_crossentropy")
+    with pytest.raises(tower_train.UsageError, match="interrupted"):
+        tower_train.keras.fit(model, x, y, **options, train_dir=str(tmp_path / "run"),
+                              callbacks=[InterruptAt(2)])
+    model.save(tmp_path / "model.keras")
+    model = keras.models.load_model(tmp_path / "model.keras")
+    assert model.optimizer.built
+    history = tower_train.keras.fit(model, x, y, **options, train_dir=str(tmp_path / "run"))
+    assert history.epoch == [2, 3]
+    assert int(model.optimizer.iterations) == 16
+    for got, expected in zip(model.get_weights(), uninterrupted.get_weights(), strict=True):
+        np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-7)
+
+
 def test_a_nan_loss_stops_the_run_before_the_weights_take_it(caplog):
     """With TerminateOnNaN, Keras's fit applies the NaN update, then stops and returns; here the
     update is never applied (--nonfinite=stop): the run stops there as TerminateOnNaN asks, with

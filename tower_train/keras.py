@@ -156,14 +156,19 @@ def fit(model: keras.Model, x: Any = None, y: Any = None, batch_size: int | None
             # mixed_float16's: the run scales the loss itself, once per update (precision fp16),
             # with the policy of Keras's LossScaleOptimizer, which would count micro-steps.
             options["precision"] = "fp16"
+        # The checkpoint holds the model with its compiled optimizer, unbuilt in a fresh model:
+        # an unbuilt copy stands in for it while the run trains, so that a model whose optimizer
+        # was built (loaded, fit before, restored by BackupAndRestore) resumes the train_dir.
+        model.optimizer = type(loop.own_optimizer).from_config(loop.own_optimizer.get_config())
         api.fit(model=_returning(model) if in_place else model, loss=loss,
-                optimizer=_stepping(model.optimizer), data=source, callbacks=[loop],
+                optimizer=_stepping(loop.own_optimizer), data=source, callbacks=[loop],
                 show_progress=False,
                 num_gpus=num_gpus, accum=accum, batch_size=batch_size // towers,
                 max_steps=sum(lengths), train_dir=train_dir, **options)
     finally:
-        # The run gave the trained network its optimizer (training/keras_callbacks.py); compile()'s goes back.
-        object.__setattr__(model, "optimizer", loop.own_optimizer)
+        # compile()'s optimizer goes back, tracked again, where the run gave the trained network
+        # its own (training/controller.py) and the copy stood in.
+        model.optimizer = loop.own_optimizer
         if given_dir is None:
             keras_temp_dir.remove(train_dir)
     loop.hand_back_optimizer()
