@@ -27,7 +27,7 @@ def xla() -> dict:
     import tensorflow as tf
 
     from tower_train.data import catalog
-    from tower_train.api import prepare_devices
+    from tower_train.startup import prepare_devices
     from tower_train.config import TrainConfig
     from tower_train.model_spec import resolve_model
     from tower_train.step.modes import build_mode

@@ -12,7 +12,7 @@ import pytest
 import tensorflow as tf
 
 import tower_train
-from tower_train import api
+from tower_train import api, startup
 from tower_train.config import TrainConfig
 from test_cli_errors import run_cli
 
@@ -164,11 +164,11 @@ def test_bad_input_to_fit_is_one_usage_error_line_and_writes_nothing(tmp_path, a
 
 def test_registered_names_go_into_the_config_and_objects_come_back_as_given():
     options = {"train_dir": "/unused", "batch_size": 4}
-    config, model, data = api.config_and_objects("tiny_transformer", "markov_text", options)
+    config, model, data = startup.config_and_objects("tiny_transformer", "markov_text", options)
     assert (config.model, config.dataset, config.batch_size, model, data) == (
         "tiny_transformer", "markov_text", 4, None, None)
     source = arrays()
-    config, model, data = api.config_and_objects(FiveLogits, source, {"train_dir": "/unused"})
+    config, model, data = startup.config_and_objects(FiveLogits, source, {"train_dir": "/unused"})
     assert (config.model, config.dataset, model, data) == ("cifar10_cnn", "synthetic", FiveLogits, source)
 
 
@@ -199,7 +199,7 @@ def test_bad_data_arguments_are_one_usage_error_line(arguments, message):
     data, eval_data, shuffle = (options.pop(key, None) for key in ("data", "eval_data", "shuffle"))
     config = TrainConfig(train_dir="/unused", **options)
     with pytest.raises(tower_train.UsageError) as error:
-        api.check_data(config, api.array_source(data, eval_data, shuffle, None))
+        startup.check_data(config, startup.array_source(data, eval_data, shuffle, None))
     assert str(error.value) == message
 
 

@@ -40,7 +40,7 @@ def test_helpfull_lists_every_training_flag(capsys, tmp_path):
     assert cli.main(["tower_train", "--helpfull", f"--train_dir={tmp_path}", "--max_steps=1"]) == 0
     out = capsys.readouterr().out
     for field in dataclasses.fields(TrainConfig):
-        negatable = "[no]" if isinstance(field.default, bool) else ""  # absl's --[no]augment
+        negatable = "[no]" if flags.FLAGS[field.name].boolean else ""  # absl's --[no]augment, --[no]jit_compile
         assert f"--{negatable}{field.name}: " in out, field.name
     assert "Main flags" not in out
     assert list(tmp_path.iterdir()) == []

@@ -6,18 +6,17 @@ import sys
 import pytest
 
 from test_cli_errors import ROOT
-from tower_train import compare
-from tower_train.config import TrainConfig
-from tower_train.devices import plan_devices
+from tower_train import compare, startup
 
 MODES = ["tower", "mirrored", "central_storage"]
 
 
 def test_every_mode_trains_like_tower_mode_and_logs_to_its_own_run(tmp_path):
-    config = TrainConfig(num_gpus=2, accum=2, batch_size=8, max_steps=3, optimizer="sgd",
-                         learning_rate=0.1, train_dir=str(tmp_path))
-    plan = plan_devices(2, "cpu", num_physical_gpus=0)
-    runs = compare.compare_modes(config, plan, MODES)
+    options = dict(num_gpus=2, accum=2, batch_size=8, max_steps=3, optimizer="sgd",
+                   learning_rate=0.1, train_dir=str(tmp_path))
+    with startup.start(startup.COMPARE, options) as run:
+        config = run.config
+        runs = compare.compare_modes(run, MODES)
     global_batch = 8 * 2 * 2
     compare.write_summaries(runs, config.train_dir, global_batch, warmup_updates=1)
     rows = {r.mode: r for r in compare.summarize(runs, global_batch, warmup_updates=1)}
@@ -80,7 +79,7 @@ def test_multi_worker_is_refused_with_one_line():
 
 def test_a_link_where_the_command_writes_is_refused_and_what_it_names_is_untouched(tmp_path):
     """compare writes TensorBoard runs and its plot in --train_dir: it takes the train_dir's lock
-    as a run does, which refuses a link among its entries, before TensorFlow loads."""
+    as a run does, which refuses a link among its entries."""
     precious = tmp_path / "precious"
     precious.write_text("precious")
     train_dir = tmp_path / "run"

@@ -533,3 +533,50 @@ def test_a_checkpoint_rotated_away_while_the_model_is_built_is_followed_by_the_l
     assert (followed.loss, followed.precision) == (at_2.loss, at_2.precision)
     assert f"{tmp_path}/run/ckpt-3 was removed while the model was built: evaluating {tmp_path}/run/ckpt-2, now " \
            "the latest" in caplog.text
+
+
+def test_evaluate_checkpoint_takes_the_data_forms_fit_takes(tmp_path):
+    """Arrays given alone are the held-out set; beside eval_data=, eval_data is (as in fit); a
+    source's held-out set otherwise. Each gives the precision and loss computed here with numpy
+    from the checkpoint's weights, weighted by w where (x, y, w) is given."""
+    from tower_train.eval import evaluate_checkpoint
+
+    rng = np.random.default_rng(5)
+    x, held_x = (rng.normal(size=(n, 5)).astype(np.float32) for n in (64, 40))
+    y, held_y = (np.argmax(a[:, :4], axis=1) for a in (x, held_x))
+    w = rng.uniform(0.5, 2.0, size=40).astype(np.float32)
+    options = dict(model=small_keras_classifier,
+                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), num_gpus=2,
+                   batch_size=8, optimizer="sgd", learning_rate=0.5, ema_decay=0.0,
+                   train_dir=tmp_path / "run")
+    tower_train.fit(data=(x, y), eval_data=(held_x, held_y), max_steps=2, **options)
+    source = tower_train.ArraySource(x, y, eval_features=held_x, eval_labels=held_y)
+    alone = evaluate_checkpoint(data=(held_x, held_y), **options)
+    assert evaluate_checkpoint(data=(x, y), eval_data=(held_x, held_y), **options) == alone
+    assert evaluate_checkpoint(data=source, **options) == alone
+    weighted = evaluate_checkpoint(data=(held_x, held_y, w), **options)
+    reader = tf.train.load_checkpoint(str(tmp_path / "run" / "ckpt-2"))
+    kernel, bias = (reader.get_tensor(f"optimizer/_trainable_variables/{i}/.ATTRIBUTES/VARIABLE_VALUE")
+                    for i in range(2))
+    logits = (held_x @ kernel + bias).astype(np.float64)
+    losses = np.log(np.exp(logits).sum(1)) - logits[np.arange(40), held_y]
+    correct = np.argmax(logits, 1) == held_y
+    assert (alone.examples, weighted.examples) == (40, 40)
+    assert alone.precision == pytest.approx(correct.mean(), abs=1e-9)
+    assert alone.loss == pytest.approx(losses.mean(), rel=1e-5)
+    assert weighted.precision == pytest.approx((w * correct).sum() / w.sum(), rel=1e-6)
+    assert weighted.loss == pytest.approx((w * losses).sum() / w.sum(), rel=1e-5)
+    assert weighted.loss != pytest.approx(alone.loss, rel=1e-5)  # the weights count
+
+
+@pytest.mark.parametrize("option, message", [
+    ("shuffles", "evaluate_checkpoint(): unknown option 'shuffles'; the options are the flags' names"),
+    ("validation_data", "evaluate_checkpoint(): validation_data= is Keras's Model.fit argument, not an "
+                        "option of tower_train.evaluate_checkpoint (eval_data=(x, y))"),
+])
+def test_an_unknown_option_of_evaluate_checkpoint_is_named_as_its_own(option, message):
+    from tower_train.eval import evaluate_checkpoint
+
+    with pytest.raises(UsageError) as error:
+        evaluate_checkpoint(train_dir="/unused", **{option: 1})
+    assert str(error.value).startswith(message)

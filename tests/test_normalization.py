@@ -13,6 +13,7 @@ from tower_train.data import catalog
 from tower_train.config import TrainConfig
 from tower_train.model_spec import build_model, resolve_model
 from tower_train.normalization import compare_normalizations
+from tower_train.startup import NORMALIZATION, start
 from test_cli_errors import ROOT
 
 UPDATES = 2
@@ -24,6 +25,12 @@ IMAGES = dict(dataset="synthetic", num_gpus=2, batch_size=4, accum=2)
 
 def config_of(options: dict) -> TrainConfig:
     return TrainConfig(train_dir="/unused", **options)
+
+
+def normalizations(options: dict) -> list[tuple[float, float, float]]:
+    """`compare_normalizations` of a run started as the command starts it."""
+    with start(NORMALIZATION, {"train_dir": "/unused", **options}) as run:
+        return compare_normalizations(run, UPDATES)
 
 
 def by_hand(config: TrainConfig, updates: int) -> list[tuple[float, float, float]]:
@@ -59,8 +66,7 @@ def by_hand(config: TrainConfig, updates: int) -> list[tuple[float, float, float
 
 @pytest.fixture(scope="module")
 def sequences():
-    config = config_of(SEQUENCES)
-    return compare_normalizations(config, UPDATES), by_hand(config, UPDATES)
+    return normalizations(SEQUENCES), by_hand(config_of(SEQUENCES), UPDATES)
 
 
 def test_on_padded_sequences_the_two_losses_and_the_gradient_error_are_those_computed_by_hand(sequences):
@@ -75,8 +81,7 @@ def test_on_padded_sequences_the_two_losses_and_the_gradient_error_are_those_com
 
 
 def test_with_equal_shards_of_labels_weighing_one_the_two_normalizations_agree():
-    config = config_of(IMAGES)
-    got, want = compare_normalizations(config, UPDATES), by_hand(config, UPDATES)
+    got, want = normalizations(IMAGES), by_hand(config_of(IMAGES), UPDATES)
     for (loss, mean_loss, error), (want_loss, want_mean, want_error) in zip(got, want, strict=True):
         assert want_mean == pytest.approx(want_loss, rel=1e-6) and want_error < 1e-5
         assert (loss, mean_loss) == (pytest.approx(want_loss, rel=1e-5), pytest.approx(want_loss, rel=1e-5))

@@ -81,16 +81,19 @@ def fail(error: Exception) -> int:
     return 2
 
 
-def parse_config(argv: list[str], usage: str, command_flags: Iterable[str] = ()) -> TrainConfig:
+def parse_config(argv: list[str], usage: str, command_flags: Iterable[str] = (),
+                 options: Iterable[str] | None = None) -> TrainConfig:
     """Parses the command line into a validated config, and sets up logging.
 
-    --help shows `usage`, the main training flags and `command_flags`; --helpfull every flag.
+    --help shows `usage`, the main training flags among the training `options` the command
+    reads (None: training's, all of them) and `command_flags`; --helpfull every flag it reads.
     """
     rest = flags.FLAGS(argv)
+    read = set(tt_flags.TRAINING_FLAGS if options is None else options)
     if _HELPFULL.value:
-        raise HelpShown(f"{usage.strip()}\n\n{flags.FLAGS.get_help()}")
+        raise HelpShown(f"{usage.strip()}\n\n{_full_help(options, command_flags)}")
     if _HELP.value:
-        shown = [*tt_flags.MAIN_FLAGS, *command_flags]
+        shown = [*(name for name in tt_flags.MAIN_FLAGS if name in read), *command_flags]
         raise HelpShown(f"{usage.strip()}\n\nMain flags (--helpfull lists all):\n"
                         + "\n".join(_describe_flag(name) for name in shown)
                         + "\n  --flagfile: Read flags from a file; recipes are in flags/.")
@@ -101,6 +104,17 @@ def parse_config(argv: list[str], usage: str, command_flags: Iterable[str] = ())
     logging.set_verbosity(logging.INFO)
     logging.get_absl_handler().addFilter(_no_tensorflow_info)
     return config
+
+
+def _full_help(options: Iterable[str] | None, command_flags: Iterable[str]) -> str:
+    """absl's help of every flag (training's, `options` None), or of the command's alone: the
+    training `options` it reads, its own, and absl's --flagfile."""
+    if options is None:
+        return flags.FLAGS.get_help()
+    read = flags.FlagValues()
+    for name in (*(name for name in tt_flags.TRAINING_FLAGS if name in set(options)), *command_flags):
+        read[name] = flags.FLAGS[name]
+    return read.get_help()
 
 
 def _describe_flag(name: str) -> str:

@@ -33,15 +33,14 @@ import numpy as np
 from absl import flags, logging
 
 from tower_train import flags as tt_flags
-from tower_train.api import check_data, prepare_devices
+from tower_train import startup
 from tower_train.cli import command, load_tensorflow, parse_config
-from tower_train.config import HAND_PLACED_MODE, MODE_RULES, ONE_PROCESS_MODES, TrainConfig, check_directories
+from tower_train.config import HAND_PLACED_MODE, MODE_RULES, ONE_PROCESS_MODES
 from tower_train.errors import UsageError
 from tower_train.stats import jitter
-from tower_train.training.run_record import TrainDirLock
 
 if TYPE_CHECKING:
-    from tower_train.devices import DevicePlan
+    from tower_train.startup import Started
 
 TRAIN_DIR = "/tmp/tower_train_compare"  # apart from training runs' /tmp/tower_train
 COMPARABLE_MODES = ONE_PROCESS_MODES
@@ -87,27 +86,18 @@ def check_modes(names: list[str]) -> list[str]:
     return names
 
 
-def compare_modes(config: TrainConfig, plan: DevicePlan, modes: list[str]) -> dict[str, ModeRun]:
-    """Trains every mode for config.max_steps updates, alternating, from the same start."""
-    from tower_train.numerics import run_numerics
-
-    with run_numerics(config.deterministic, config.tf32):
-        return _compare_modes(config, plan, modes)
-
-
-def _compare_modes(config: TrainConfig, plan: DevicePlan, modes: list[str]) -> dict[str, ModeRun]:
-    from tower_train.data import catalog
-    from tower_train.model_spec import resolve_model
+def compare_modes(run: Started, modes: list[str]) -> dict[str, ModeRun]:
+    """Trains every mode for max_steps updates, alternating, from the same start: `run`'s
+    config, devices, source and model, each mode's own copy."""
     from tower_train.step.modes import build_mode
     from tower_train.training.run import Run
 
-    source = catalog.load_source(config.dataset, config.data_dir, config.augment)
-    spec = resolve_model(None, config, None, source.num_classes)
+    config = run.config
     runs, streams = {}, {}
     for m in modes:
         mode_config = dataclasses.replace(config, mode=m, all_reduce="auto")
         # Each run is seeded alike, so every mode starts from the same weights.
-        runs[m] = Run.create(spec, source, build_mode(mode_config, plan))
+        runs[m] = Run.create(run.spec, run.source, build_mode(mode_config, run.plan))
         streams[m] = runs[m].batches()
     losses: dict[str, list[float]] = {m: [] for m in modes}
     seconds: dict[str, list[float]] = {m: [] for m in modes}
@@ -206,12 +196,13 @@ def compare_flags() -> dict[str, flags.FlagHolder]:
     importing this module for its functions must change no flag of another command."""
     holders = tt_flags.define_compare_flags()
     flags.FLAGS.set_default("train_dir", TRAIN_DIR)
+    flags.FLAGS["train_dir"].help = tt_flags.COMPARE_TRAIN_DIR_HELP
     return holders
 
 
 def _compare(argv: list[str]) -> int:
     own_flags = compare_flags()
-    config = parse_config(argv, __doc__ or "", own_flags)
+    config = parse_config(argv, __doc__ or "", own_flags, tt_flags.COMPARE_OPTIONS)
     modes = check_modes(own_flags["modes"].value)
     if config.mode != REFERENCE:  # (TrainConfig then allows only --all_reduce=auto)
         raise UsageError(f"--mode={config.mode}: not read here; list the modes in --modes")
@@ -221,15 +212,12 @@ def _compare(argv: list[str]) -> int:
     if config.max_steps <= warmup:
         raise UsageError(f"--max_steps={config.max_steps}: must be greater than "
                          f"--warmup_updates={warmup}, or no update is timed")
-    check_directories(config)
-    # It writes TensorBoard runs and the plot there: as a training run, it takes the train_dir's
-    # lock, and with it the refusal of a link where it writes (training/run_record.py).
-    with TrainDirLock(config.train_dir):
-        load_tensorflow()
-        check_data(config, None)
-        config, plan = prepare_devices(config, announce=True)
-        runs = compare_modes(config, plan, modes)
-        global_batch = config.global_batch
+    load_tensorflow()
+    # It writes TensorBoard runs and the plot in train_dir: as a training run, it takes the
+    # train_dir's lock, and with it the refusal of a link where it writes (training/run_record.py).
+    with startup.start(startup.COMPARE, startup.options_of(config), announce=True) as run:
+        runs = compare_modes(run, modes)
+        config, global_batch = run.config, run.config.global_batch
         rows = summarize(runs, global_batch, warmup)
         write_summaries(runs, config.train_dir, global_batch, warmup)
         print(format_table(rows, global_batch, config.max_steps, warmup))

@@ -21,15 +21,15 @@ ever written.
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 import sys
 from typing import TYPE_CHECKING
 
+from absl import flags
+
 from tower_train import flags as tt_flags
-from tower_train.api import check_data, config_and_objects, prepare_devices
+from tower_train import startup
 from tower_train.cli import command, load_tensorflow, parse_config
-from tower_train.config import HAND_PLACED_MODE
 
 if TYPE_CHECKING:  # TensorFlow loads only once the flags are checked
     from tower_train.training.held_out import Evaluation
@@ -50,81 +50,70 @@ def describe_weights(path: str, has_moving_average: bool, use_ema: bool) -> str:
 
 def evaluate_checkpoint(model: object = None, data: object = None, *, checkpoint: str | None = None,
                         use_ema: bool = True, num_classes: int | None = None, loss: object = None,
-                        metrics: list | None = None, **options) -> Evaluation:
+                        eval_data: tuple | None = None, metrics: list | None = None,
+                        **options) -> Evaluation:
     """Weighted precision @ 1, the held-out loss and `metrics` of a checkpoint, and the examples
     counted (an `Evaluation`).
 
-    `model`, `data`, `num_classes`, `loss` and the options are those of `tower_train.fit` (the
-    checkpoint's run), `metrics` as fit's; `checkpoint` is a prefix such as <train_dir>/ckpt-30 or a directory
-    (its latest), by default the latest in train_dir; `use_ema` evaluates the moving average
-    when the checkpoint holds one. The towers of tower mode spread every batch, whatever
-    mode trained it. Nothing is written. Raises UsageError for any bad input before
-    logging anything.
+    `model`, `data`, `num_classes`, `loss`, `eval_data` and the options are those of
+    `tower_train.fit` (the checkpoint's run), `metrics` as fit's: the held-out set of the data
+    is evaluated, and numpy arrays `data=(x, y)` or `(x, y, w)` given alone are that held-out set.
+    `checkpoint` is a prefix such as <train_dir>/ckpt-30 or a directory (its latest), by default
+    the latest in train_dir; `use_ema` evaluates the moving average when the checkpoint holds one.
+    The towers of tower mode spread every batch, whatever mode trained it. Nothing is written.
+    Raises UsageError for any bad input before logging anything.
     """
     from absl import logging
 
     from tower_train.training import checkpoints
     from tower_train.training import eval_checkpoint
 
-    config, model, data = config_and_objects(model, data, options)
     if metrics is not None:
         from tower_train.training.held_out import check_metrics
 
         metrics = check_metrics(metrics)
-    if model is None:  # a registered name: checked against the run record before any TF work
-        from tower_train.models import model_class
+    with startup.start(startup.EVALUATE, options, model, data, eval_data=eval_data,
+                       num_classes=num_classes, loss=loss, checkpoint=checkpoint) as run:
+        import tensorflow as tf
 
-        eval_checkpoint.check_named_checkpoint(checkpoint, config.train_dir, config.model)
-        model_class(config.model, config.model_module)
-    check_data(config, data)
-    # Evaluation has no strategy: the towers of tower mode, whatever --mode trained the checkpoint.
-    config = dataclasses.replace(config, mode=HAND_PLACED_MODE, all_reduce="auto", sync_bn=False)
-    config, plan = prepare_devices(config)
+        from tower_train.training import held_out
+        from tower_train.model_spec import build_model, use_moving_average
+        from tower_train.step.schedules import MovingAverage
 
-    import tensorflow as tf
-
-    from tower_train.data import catalog
-    from tower_train.training import held_out
-    from tower_train.model_spec import build_model, resolve_model, use_moving_average
-    from tower_train.step.schedules import MovingAverage
-
-    info = eval_checkpoint.find_checkpoint(checkpoint, config.train_dir)
-    source = data if data is not None else catalog.load_source(
-        config.dataset, config.data_dir, config.augment)
-    source.check()
-    spec = resolve_model(model, config, num_classes, source.num_classes, loss)
-    with_average = use_ema and info.has_moving_average
-    with tf.device(plan.param_device):
-        net = build_model(spec, source, config)
-        average = MovingAverage(net.trainable_variables, config.ema_decay) if with_average else None
-    objects = {"model": net, **({"moving_average": average} if average is not None else {})}
-    # Building the model takes seconds, in which a run writing the train_dir may rotate the
-    # checkpoint away: a directory's latest is then taken again, as often as there are kept ones.
-    for attempt in range(checkpoints.CHECKPOINTS_KEPT, -1, -1):
-        try:
-            eval_checkpoint.restore_for_evaluation(info, objects, spec.name)
-            break
-        except eval_checkpoint.CheckpointGone:
-            if not attempt or not os.path.isdir(checkpoint or config.train_dir):
-                raise
-            gone, info = info.path, eval_checkpoint.find_checkpoint(checkpoint, config.train_dir)
-            logging.info("%s was removed while the model was built: evaluating %s, now the latest",
-                         gone, info.path)
-    metrics = held_out.make_metrics(metrics or [])
-    held_out.check_metrics_against(metrics, net, source, config.eval_batch_size)
-    logging.info("%s", plan.message)
-    logging.info("%s", describe_weights(info.path, info.has_moving_average, use_ema))
-    if average is not None:
-        use_moving_average(net, average)
-    return held_out.evaluate(net, source, config.eval_batch_size, plan.tower_devices, metrics)
+        config, plan, source, spec = run.config, run.plan, run.source, run.spec
+        info = eval_checkpoint.find_checkpoint(checkpoint, config.train_dir)
+        with_average = use_ema and info.has_moving_average
+        with tf.device(plan.param_device):
+            net = build_model(spec, source, config)
+            average = MovingAverage(net.trainable_variables, config.ema_decay) if with_average else None
+        objects = {"model": net, **({"moving_average": average} if average is not None else {})}
+        # Building the model takes seconds, in which a run writing the train_dir may rotate the
+        # checkpoint away: a directory's latest is then taken again, as often as there are kept ones.
+        for attempt in range(checkpoints.CHECKPOINTS_KEPT, -1, -1):
+            try:
+                eval_checkpoint.restore_for_evaluation(info, objects, spec.name)
+                break
+            except eval_checkpoint.CheckpointGone:
+                if not attempt or not os.path.isdir(checkpoint or config.train_dir):
+                    raise
+                gone, info = info.path, eval_checkpoint.find_checkpoint(checkpoint, config.train_dir)
+                logging.info("%s was removed while the model was built: evaluating %s, now the latest",
+                             gone, info.path)
+        metrics = held_out.make_metrics(metrics or [])
+        held_out.check_metrics_against(metrics, net, source, config.eval_batch_size)
+        logging.info("%s", plan.message)
+        logging.info("%s", describe_weights(info.path, info.has_moving_average, use_ema))
+        if average is not None:
+            use_moving_average(net, average)
+        return held_out.evaluate(net, source, config.eval_batch_size, plan.tower_devices, metrics)
 
 
 def _eval(argv: list[str]) -> int:
-    config = parse_config(argv, __doc__ or "", EVAL_FLAGS)
+    flags.FLAGS["train_dir"].help = tt_flags.EVAL_TRAIN_DIR_HELP  # the command's, once it runs
+    config = parse_config(argv, __doc__ or "", EVAL_FLAGS, tt_flags.EVAL_OPTIONS)
     load_tensorflow()
-    options = {name: getattr(config, name) for name in tt_flags.TRAINING_FLAGS}
     evaluation = evaluate_checkpoint(checkpoint=EVAL_FLAGS["checkpoint"].value,
-                                     use_ema=EVAL_FLAGS["use_ema"].value, **options)
+                                     use_ema=EVAL_FLAGS["use_ema"].value, **startup.options_of(config))
     if evaluation.precision is None:
         print(f"precision @ 1 = none: no held-out label has any weight ({evaluation.examples} examples)")
     else:

@@ -3,7 +3,8 @@
 The training flags are generated from the fields of `TrainConfig`: name,
 type, default and help text all come from there, so adding an option is one
 field. `config_from_flags` turns the parsed flags into that frozen, validated
-config. The few flags of the other commands (eval, compare, benchmark) follow.
+config. Which of them each other command reads, and the few flags of its own (eval, compare,
+benchmark), follow.
 """
 from __future__ import annotations
 
@@ -43,6 +44,26 @@ TRAINING_FLAGS: dict[str, flags.FlagHolder] = {
         field.name, field.default, field.metadata["help"])
     for field in dataclasses.fields(TrainConfig)}
 MAIN_FLAGS = tuple(field.name for field in dataclasses.fields(TrainConfig) if field.metadata["main"])
+
+# The training options each command other than training reads, which its --help and --helpfull
+# show beside its own flags. It takes the others too, so that one flagfile serves every command,
+# and ignores them.
+_MODEL_AND_DATA = ("model", "model_module", "dataset", "data_module", "data_dir", "precision",
+                   "recompute")
+_DEVICES = ("num_gpus", "gpu_memory_mb", "deterministic", "tf32")
+_UPDATES = ("batch_size", "seed", "augment", "optimizer", "learning_rate", "lr_schedule",
+            "warmup_steps", "scale_lr", "clip_norm", "ema_decay", "jit_compile", "sparse_steps",
+            "tower_weights", "transfer_precision")
+EVAL_OPTIONS = (*_MODEL_AND_DATA, *_DEVICES, "ps_device", "train_dir", "eval_batch_size")
+COMPARE_OPTIONS = (*_MODEL_AND_DATA, *_DEVICES, "ps_device", *_UPDATES, "accum", "tower_split",
+                   "max_steps", "train_dir")
+# Each configuration's name sets its K and split, and a tower kind where the variables live.
+BENCHMARK_OPTIONS = (*_MODEL_AND_DATA, *_DEVICES, "ps_device", *_UPDATES)
+NORMALIZATION_OPTIONS = (*_MODEL_AND_DATA, *_DEVICES, "batch_size", "accum", "tower_split", "seed",
+                         "augment")
+EVAL_TRAIN_DIR_HELP = "The run whose latest checkpoint is evaluated (unless --checkpoint names one)."
+COMPARE_TRAIN_DIR_HELP = ("One TensorBoard run per mode (<train_dir>/<mode>) and the plot "
+                          "<train_dir>/compare.png; nothing is checkpointed.")
 
 
 def config_from_flags() -> TrainConfig:

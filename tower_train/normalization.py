@@ -19,35 +19,39 @@ sequences of varying length they do not. Nothing is trained or written.
 """
 from __future__ import annotations
 
+import functools
 import sys
+from typing import TYPE_CHECKING
 
 from absl import flags
 
-from tower_train.api import check_data, prepare_devices
+from tower_train import flags as tt_flags
+from tower_train import startup
 from tower_train.cli import command, load_tensorflow, parse_config
-from tower_train.config import TrainConfig
 from tower_train.errors import UsageError
 
+if TYPE_CHECKING:
+    from tower_train.startup import Started
 
 
+@functools.cache
 def updates_flag() -> flags.FlagHolder:
-    """--updates, defined when the command runs (the benchmark defines its own --updates)."""
+    """--updates, defined when the command first runs (the benchmark defines its own --updates)."""
     return flags.DEFINE_integer("updates", 3, "Updates whose examples are compared (>= 1).")
 
 
-def compare_normalizations(config: TrainConfig, updates: int) -> list[tuple[float, float, float]]:
-    """(weighted loss, mean-of-means loss, relative gradient error) for each of `updates` updates."""
+def compare_normalizations(run: Started, updates: int) -> list[tuple[float, float, float]]:
+    """(weighted loss, mean-of-means loss, relative gradient error) for each of `updates` updates
+    of `run`'s source, on its model freshly initialised."""
     import keras
     import tensorflow as tf
 
-    from tower_train.data import catalog
-    from tower_train.model_spec import build_model, resolve_model
+    from tower_train.model_spec import build_model
     from tower_train.step.towers import combine_gradients, labels_per_shard, split_batch, tower_loss_and_gradients
 
-    source = catalog.load_source(config.dataset, config.data_dir, config.augment)
-    source.check()
+    config, source = run.config, run.source
     keras.utils.set_random_seed(config.seed)
-    model = build_model(resolve_model(None, config, None, source.num_classes), source, config)
+    model = build_model(run.spec, source, config)
     sizes = config.tower_shard_sizes
     batches = iter(source.train_stream(seed=config.seed, start_position=0, micro_batch=sum(sizes)))
     results = []
@@ -74,13 +78,12 @@ def compare_normalizations(config: TrainConfig, updates: int) -> list[tuple[floa
 
 def _normalization(argv: list[str]) -> int:
     updates = updates_flag()
-    config = parse_config(argv, __doc__ or "", ["updates"])
+    config = parse_config(argv, __doc__ or "", ["updates"], tt_flags.NORMALIZATION_OPTIONS)
     if updates.value < 1:
         raise UsageError(f"--updates={updates.value}: must be a whole number >= 1")
     load_tensorflow()
-    check_data(config, None)
-    config, _ = prepare_devices(config)
-    results = compare_normalizations(config, updates.value)
+    with startup.start(startup.NORMALIZATION, startup.options_of(config)) as run:
+        results = compare_normalizations(run, updates.value)
     print(f"{config.model} on {config.dataset}: G = {config.global_batch} examples per update in "
           f"{config.num_towers} x {config.accum} shards of {'/'.join(map(str, config.tower_shard_sizes))}")
     for update, (loss, mean_loss, error) in enumerate(results, start=1):

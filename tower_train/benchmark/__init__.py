@@ -52,7 +52,8 @@ import json
 import os
 import sys
 
-from tower_train.api import check_data, prepare_devices
+from tower_train import flags as tt_flags
+from tower_train import startup
 from tower_train.benchmark.keras_epochs import format_keras_report, measure_keras_epochs
 from tower_train.benchmark.memory import format_memory_report, measure_memory
 from tower_train.benchmark.names import MEASURES, default_configs, parse_config_name
@@ -62,7 +63,6 @@ from tower_train.benchmark.timing import format_report, run_benchmark
 from tower_train.benchmark.traffic_report import format_traffic_report, measure_traffic
 from tower_train.cli import command, load_tensorflow, parse_config
 from tower_train.errors import UsageError
-from tower_train.numerics import run_numerics
 
 
 def _link_speeds(values: list[str]) -> list[float]:
@@ -78,7 +78,7 @@ def _link_speeds(values: list[str]) -> list[float]:
 
 def _benchmark(argv: list[str]) -> int:
     options = bench_flags()
-    config = parse_config(argv, __doc__ or "", options)
+    config = parse_config(argv, __doc__ or "", options, tt_flags.BENCHMARK_OPTIONS)
     measure = options["measure"].value
     if measure not in MEASURES:
         raise UsageError(f"--measure={measure}: unknown; allowed: {', '.join(MEASURES)}")
@@ -111,9 +111,8 @@ def _benchmark(argv: list[str]) -> int:
     if link_gbps and measure != "traffic":
         raise UsageError("--link_gbps: only with --measure=traffic")
     load_tensorflow()
-    check_data(config, None)
-    config, plan = prepare_devices(config, announce=True)
-    with run_numerics(config.deterministic, config.tf32):
+    with startup.start(startup.BENCHMARK, startup.options_of(config), announce=True) as run:
+        config, plan = run.config, run.plan
         if measure == "memory":
             results = measure_memory(benches, argv)
             report = format_memory_report(results)

@@ -8,7 +8,8 @@ import subprocess
 import sys
 from typing import TYPE_CHECKING
 
-from tower_train.api import check_data, prepare_devices
+from tower_train import flags as tt_flags
+from tower_train import startup
 from tower_train.benchmark.names import BenchConfig, floor_config, parse_config_name
 from tower_train.benchmark.options import bench_flags
 from tower_train.benchmark.workloads import build_workload
@@ -16,6 +17,7 @@ from tower_train.cli import command, parse_config
 from tower_train.errors import UsageError
 
 if TYPE_CHECKING:
+    from tower_train.config import TrainConfig
     from tower_train.devices import DevicePlan
 
 
@@ -26,13 +28,16 @@ def peak_memory_main(argv: list[str]) -> int:
 
 
 def _peak_memory(argv: list[str]) -> int:
+    options = bench_flags()
+    config = parse_config(argv, __doc__ or "", options, tt_flags.BENCHMARK_OPTIONS)
+    bench = parse_config_name(_one(options["configs"].value), config.batch_size)
+    with startup.start(startup.BENCHMARK, startup.options_of(config)) as run:
+        return _measure_peak(bench, run.config, run.plan, options)
+
+
+def _measure_peak(bench: BenchConfig, config: TrainConfig, plan: DevicePlan, options: dict) -> int:
     import tensorflow as tf
 
-    options = bench_flags()
-    config = parse_config(argv, __doc__ or "", options)
-    bench = parse_config_name(_one(options["configs"].value), config.batch_size)
-    check_data(config, None)
-    config, plan = prepare_devices(config)
     workload = build_workload(bench, config, plan)
     gpus = _gpu_names(plan)
     rss_before = _status_mb("VmRSS")

@@ -106,7 +106,7 @@ class Mode:
     def __init__(self, *, config: TrainConfig, plan: DevicePlan, worker: WorkerInfo, all_reduce: str):
         """Creates the mode's strategy; call it before any other TF op runs. `all_reduce`: the
         reduction `resolve_all_reduce` gave for the config on `plan`. The config's "auto" options
-        are resolved as `api.prepare_devices` resolves them, where the caller has not."""
+        are resolved as `startup.prepare_devices` resolves them, where the caller has not."""
         jit_compile, _ = resolve_jit_compile(config, plan)
         if jit_compile:
             check_jit_compile(self.rules.name, plan)
@@ -278,7 +278,7 @@ def build_mode(config: TrainConfig, plan: DevicePlan, worker: WorkerInfo = SINGL
                all_reduce: str | None = None) -> Mode:
     """The mode `config.mode` names, its strategy created; call it before any other TF op runs.
 
-    `all_reduce`: what `resolve_all_reduce` gave for `config` on `plan` (`api.prepare_devices`
+    `all_reduce`: what `resolve_all_reduce` gave for `config` on `plan` (`startup.prepare_devices`
     resolves it while it checks the devices); None resolves it here, for a caller that builds
     a mode other than the one it checked (compare.py, the benchmark).
     """

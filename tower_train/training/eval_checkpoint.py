@@ -39,10 +39,10 @@ def _prefix(checkpoint: str) -> str:
     return checkpoint[:-len(".index")] if checkpoint.endswith(".index") else checkpoint
 
 
-def check_named_checkpoint(checkpoint: str | None, train_dir: str, model: str) -> None:
+def check_named_checkpoint(checkpoint: str | None, train_dir: str, model: str | None) -> None:
     """The checks that need no reading of tensors, so that these errors come at once: the path
     named exists, a directory lists checkpoints at all, and the run record beside them (if
-    any) names this model."""
+    any) names this registered `model` (None: a model given as an object, not yet named)."""
     listed = checkpoint is None or os.path.isdir(checkpoint)  # a directory: its latest checkpoint
     if checkpoint is not None:
         flag, directory = f"--checkpoint={checkpoint}", checkpoint
@@ -65,7 +65,7 @@ def check_named_checkpoint(checkpoint: str | None, train_dir: str, model: str) -
     except UsageError:
         return  # an unreadable record: the restore itself checks the structure
     trained, module = record.get("model"), record.get("model_module")
-    if trained is not None and trained != model:
+    if trained is not None and model is not None and trained != model:
         hint = model_label(trained) + (f" --model_module={module}" if module else "")
         raise UsageError(f"{flag}: its checkpoints are of {model_label(trained)} (says "
                          f"{os.path.join(directory, RUN_FILE)}), not {model_label(model)}; pass {hint}")
