@@ -61,6 +61,7 @@ CLUSTERS = ("tf_config", "slurm", "auto")  # where multi_worker's workers learn 
 AUTO = "auto"  # an option's value that this machine decides, once the devices are known
 PS_DEVICES = (AUTO, "cpu", "gpu", "spread")  # spread: over the tower devices (tower mode)
 TOWER_WEIGHTS = ("per_update", "per_micro_step")  # how often tower mode's towers fetch the weights
+BN_STATISTICS = ("per_micro_step", "per_update")  # when BatchNormalization's moving statistics move
 OPTIMIZERS = ("sgd", "momentum", "adam")
 NONFINITE_POLICIES = ("stop", "skip")
 SCHEDULES = ("constant", "exponential", "cosine")  # of the learning rate; see tower_train.step.schedules
@@ -234,6 +235,13 @@ class TrainConfig:
         "takes its gradient as a row per occurrence of an index in the update's G examples, "
         "duplicates not summed (Adam's and RMSprop's second moments add each occurrence's square). "
         "Tower mode with --ps_device=cpu or gpu; the others step densely.")
+    # The original's towers each moved them; per_update is what Keras's fit at G does.
+    bn_statistics: str = option(
+        "per_micro_step", f"{' | '.join(BN_STATISTICS)}: when BatchNormalization's moving mean and "
+        "variance move: at every tower's pass (N x K times per update), or once per update from "
+        "the update's pooled batch moments, as Keras's fit on one batch of G moves them (tower "
+        "mode; the strategy modes move them per micro-step and say so). Each pass still "
+        "normalizes by its own micro-batch's moments.")
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -255,6 +263,10 @@ class TrainConfig:
             raise UsageError(f"--ps_device=spread: only with --mode={HAND_PLACED_MODE} (a strategy places the "
                              f"variables itself), not --mode={self.mode}")
         _one_of("tower_weights", self.tower_weights, TOWER_WEIGHTS)
+        _one_of("bn_statistics", self.bn_statistics, BN_STATISTICS)
+        if self.bn_statistics == "per_update" and self.recompute:
+            raise UsageError("--bn_statistics=per_update with --recompute: a recomputed block "
+                             "normalizes twice per pass; use --bn_statistics=per_micro_step")
         if self.tower_weights != "per_update" and self.ps_device == "spread":
             raise UsageError(f"--tower_weights={self.tower_weights}: --ps_device=spread sends each tower the "
                              "weights once per update, from every slice's device; use per_update")

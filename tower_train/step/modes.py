@@ -164,6 +164,21 @@ class Mode:
                         "--ps_device=cpu or gpu)", where, ", ".join(tables))
         return False
 
+    def pooled_moments(self, model) -> bool:
+        """Whether BN's moving statistics move once per update, from its pooled moments, as
+        --bn_statistics=per_update asks: in tower mode; elsewhere at every replica's pass, which
+        one warning line says."""
+        from tower_train.step.pooled_moments import moving_layers
+
+        if self.config.bn_statistics != "per_update" or not moving_layers(model):
+            return False
+        if self.rules.places_towers:
+            return True
+        logging.warning("--bn_statistics=per_update: --mode=%s moves BatchNormalization's moving "
+                        "statistics at every replica's pass, not once per update (per_update is "
+                        "--mode=tower's)", self.rules.name)
+        return False
+
 
 class TowerMode(Mode):
     """The classic pattern: no strategy, the variables on the parameter device, the towers
@@ -191,7 +206,7 @@ class TowerMode(Mode):
                          placement=self.placement, accum=config.accum, shard_sizes=config.tower_shard_sizes,
                          jit_compile=config.jit_compile, tower_weights=config.tower_weights,
                          transfer_dtype=DTYPES[config.transfer_precision], prepare=prepare,
-                         sparse_steps=self.sparse_steps(rule.model))
+                         sparse_steps=self.sparse_steps(rule.model), pooled_moments=self.pooled_moments(rule.model))
 
 
 class _StrategyMode(Mode):
@@ -214,6 +229,7 @@ class _StrategyMode(Mode):
         config = self.config
         rule = state.update_rule(config.clip_norm)
         self.sparse_steps(rule.model)  # False: says so once, where the model has tables to step
+        self.pooled_moments(rule.model)  # likewise, where it has BatchNormalization
         return StrategyStep(strategy=self.strategy, rule=rule,
                             accum=config.accum, shard_size=config.batch_size,
                             first_replica=self.worker.index * len(self.plan.tower_devices),

@@ -76,6 +76,7 @@ from tower_train.step.inner_step import BatchSpec, Decision, Shards, UpdateResul
 from tower_train.step.towers import (TowerResult, combine_gradients, combine_slices, compiled_tower_function,
                                      labels_per_shard, pass_seeds, read_in_compute_dtype, regularization_gradients, run_on_towers,
                                      seed_generator_states, tower_function)
+from tower_train.step.pooled_moments import PooledMoments, moment_shapes, moving_layers
 from tower_train.step.update_rule import TrainingStatistics, UpdateRule, tensors_finite
 from tower_train.step.update_sums import UpdateSums
 
@@ -280,7 +281,8 @@ class TowerStep:
 
     def __init__(self, *, rule: UpdateRule, tower_devices: Sequence[str], placement: TowerPlacement, accum: int,
                  shard_sizes: Sequence[int], jit_compile: bool = False, tower_weights: str = "per_update",
-                 transfer_dtype: str = "float32", prepare: Preprocess | None = None, sparse_steps: bool = False):
+                 transfer_dtype: str = "float32", prepare: Preprocess | None = None, sparse_steps: bool = False,
+                 pooled_moments: bool = False):
         """`placement`: where the rule's variables live; it builds the `TowerLayout` (created
         after any restore, `Run.inner`, so a layout's own state starts from the restored one).
         `tower_weights`: "per_update" or "per_micro_step" (`TrainConfig.tower_weights`).
@@ -289,11 +291,15 @@ class TowerStep:
         of a `data/source.RawInput` batch (`towers.prepared`). `sparse_steps`: the variables
         whose gradient reaches them as occurrences (`TowerModel.sparse_gradients`) are stepped
         with the update's occurrences, as Keras's fit steps them (`TrainConfig.sparse_steps`);
-        a `ParameterDeviceLayout`'s only."""
+        a `ParameterDeviceLayout`'s only. `pooled_moments`: BN's moving statistics move once per
+        update, from its pooled moments (`TrainConfig.bn_statistics`, `pooled_moments`)."""
         model = rule.model
         self._sparse = tuple(j for j, sparse in enumerate(model.sparse_gradients) if sparse and sparse_steps)
-        self._tower = (compiled_tower_function(model, rule.loss_scale, prepare, self._sparse) if jit_compile
-                       else tower_function(model, rule.loss_scale, prepare=prepare, sparse=self._sparse))
+        normalizing = moving_layers(model) if pooled_moments else []
+        self._tower = (compiled_tower_function(model, rule.loss_scale, prepare, self._sparse, normalizing)
+                       if jit_compile else
+                       tower_function(model, rule.loss_scale, prepare=prepare, sparse=self._sparse,
+                                      moments=normalizing))
         self._rule = rule
         self._devices = tuple(tower_devices)
         self._shard_sizes = tuple(shard_sizes)  # examples of each tower per micro-step
@@ -304,6 +310,7 @@ class TowerStep:
         self._generator_states = seed_generator_states(model)  # None: a model without randomness
         with tf.device(self.layout.host):
             self._statistics = TrainingStatistics(model)
+            self._pooled = PooledMoments(normalizing, self._statistics) if normalizing else None
             if self._generator_states is not None:
                 self._micro_step = tf.Variable(0, dtype=tf.int64, trainable=False, name="micro_step")
         # Per tower, on its device, at K > 1: its sums of the update so far.
@@ -312,7 +319,7 @@ class TowerStep:
             for i, device in enumerate(self._devices):
                 with tf.device(device):
                     self._sums.append(UpdateSums(model, prefix=f"tower_{i}_", sparse=self._sparse,
-                                                 passes_held=accum - 1))
+                                                 passes_held=accum - 1, moments=moment_shapes(normalizing)))
         self.refresh_weights = tf.function(self._refresh_weights)
         self.accumulate = tf.function(self._accumulate)
         self.update = tf.function(self._update)
@@ -415,7 +422,9 @@ class TowerStep:
             lambda regularization: self._mean_loss(results, total_weight, regularization),
             self._sparse, [result.slices for result in results]))
         with tf.device(self.layout.host):
-            self._settle(decision, apply)
+            # The moments of the update's G examples (`pooled_moments`), summed over its towers.
+            moments = [tf.add_n(list(parts)) for parts in zip(*(result.moments for result in results))]
+            self._settle(decision, apply, moments)
             state_finite = self._rule.state_finite()
         for device, sums in zip(self._devices, self._sums):  # none at K = 1
             with tf.device(device):
@@ -435,11 +444,14 @@ class TowerStep:
                                    for result, size in zip(results, self._shard_sizes, strict=True)])
         return mean_loss
 
-    def _settle(self, decision: tf.Tensor, apply: Callable[[], object]) -> None:
-        """On the current device (the layout's host): `apply()` and keep
-        the BN statistics if the update is applied, else put them back and refuse it."""
+    def _settle(self, decision: tf.Tensor, apply: Callable[[], object], moments: Sequence[tf.Tensor]) -> None:
+        """On the current device (the layout's host): `apply()` and keep the BN statistics (moved
+        by the update's pooled `moments` first, under `pooled_moments`) if the update is
+        applied, else put them back and refuse it."""
         def applied() -> None:
             apply()
+            if self._pooled is not None:
+                self._pooled.apply(moments)
             self._statistics.keep()
 
         def refused() -> None:

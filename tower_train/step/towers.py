@@ -45,6 +45,7 @@ import tensorflow as tf
 from tower_train.data.source import Preprocess, RawInput
 from tower_train.errors import UsageError
 from tower_train.models.base import TowerModel
+from tower_train.step.pooled_moments import recorded_moments
 from tower_train.step.update_rule import LossScale
 
 T = TypeVar("T")
@@ -68,13 +69,16 @@ class TowerResult(NamedTuple):
     # For each variable a pass was asked to step sparsely (sparse=...): the gradient in `gradients`
     # as its occurrences, `sparse_occurrences`; those of several passes concatenated in a sum.
     slices: tuple[tf.IndexedSlices, ...] = ()
+    # For the BN layers a pass was asked to record (moments=...): their batch moments' sums
+    # (`pooled_moments.recorded_moments`); those of several passes added up in a sum.
+    moments: tuple[tf.Tensor, ...] = ()
 
 
 def tower_loss_and_gradients(
     model: TowerModel, features: tf.Tensor, labels: tf.Tensor, weights: tf.Tensor,
     loss_scale: tf.Tensor | None = None, weight_copies: Sequence[tf.Variable] | None = None,
     seeds: tf.Tensor | None = None, statistics: Sequence[tf.Tensor] | None = None,
-    sparse: Sequence[int] = (),
+    sparse: Sequence[int] = (), moments: Sequence[object] = (),
 ) -> TowerResult:
     """One tower's forward and backward pass.
 
@@ -97,6 +101,9 @@ def tower_loss_and_gradients(
         variable and returns the values it moved (`TowerResult.moved_statistics`).
       sparse: indices into `model.trainable_variables` whose gradient also comes as its
         occurrences (`TowerResult.slices`): the update steps them as Keras's fit does.
+      moments: BatchNormalization layers of the model whose batch moments the pass records
+        (`TowerResult.moments`): the update moves their statistics from them
+        (`pooled_moments`).
 
     Returns:
       A `TowerResult`: the float32 scalars sum(w * loss) and sum(w) over the shard, and the
@@ -115,7 +122,8 @@ def tower_loss_and_gradients(
             tape.watch(sources)
         with model.using(weights=None if weight_copies is None else sources,
                          seeds=None if seeds is None else tf.unstack(seeds), statistics=statistics) as moved:
-            logits = model(features, training=True)
+            with recorded_moments(moments) as moment_sums:
+                logits = model(features, training=True)
             losses = tf.cast(model.per_example_loss(labels, logits), tf.float32)
             batch_loss = model.batch_loss()
             if model.batch_losses() and not model.adds_batch_losses:  # they would be left out
@@ -134,7 +142,7 @@ def tower_loss_and_gradients(
     if model.adds_batch_losses:
         batch_gradients = dense(tape.gradient(batch_objective, sources), model.trainable_variables)
     return TowerResult(weighted_loss_sum, tf.reduce_sum(weights), gradients, batch_loss, batch_gradients,
-                       None if statistics is None else moved, logits, slices)
+                       None if statistics is None else moved, logits, slices, tuple(moment_sums))
 
 
 def dense(gradients: Sequence[tf.Tensor | tf.IndexedSlices | None], variables) -> list[tf.Tensor]:
@@ -199,7 +207,7 @@ def prepared(features, prepare: Preprocess | None):
 
 def tower_function(
     model: TowerModel, loss_scale: LossScale | None = None, jit_compile: bool = False,
-    prepare: Preprocess | None = None, sparse: Sequence[int] = (),
+    prepare: Preprocess | None = None, sparse: Sequence[int] = (), moments: Sequence[object] = (),
 ) -> Callable[..., TowerResult]:
     """`tower_loss_and_gradients` of `model` (its `sparse` variables' occurrences too) as a
     function of (features, labels, weights[, weight_copies[, seeds]]), reading the current loss
@@ -213,7 +221,7 @@ def tower_function(
         return tower_loss_and_gradients(
             model, features, labels, weights,
             None if loss_scale is None else loss_scale.value.read_value(), weight_copies, seeds,
-            sparse=sparse)
+            sparse=sparse, moments=moments)
 
     run_pass = tf.function(tower_pass, jit_compile=True) if jit_compile else tower_pass
 
@@ -224,7 +232,8 @@ def tower_function(
 
 
 def compiled_tower_function(model: TowerModel, loss_scale: LossScale | None = None,
-                            prepare: Preprocess | None = None, sparse: Sequence[int] = ()) -> Callable[..., TowerResult]:
+                            prepare: Preprocess | None = None, sparse: Sequence[int] = (),
+                            moments: Sequence[object] = ()) -> Callable[..., TowerResult]:
     """`tower_loss_and_gradients` of `model` (its `sparse` variables' occurrences too) compiled by XLA for the device it is called on, as a
     function of (features, labels, weights, weight_copies[, seeds]), for towers whose variables
     live elsewhere (tower mode). XLA cannot read another device's variables, so the compiled pass
@@ -235,7 +244,7 @@ def compiled_tower_function(model: TowerModel, loss_scale: LossScale | None = No
     @tf.function(jit_compile=True)
     def compiled(features, labels, weights, weight_values, statistics, seeds, scale) -> TowerResult:
         return tower_loss_and_gradients(model, features, labels, weights, scale, weight_values, seeds,
-                                        statistics, sparse)
+                                        statistics, sparse, moments)
 
     def tower(features: tf.Tensor, labels: tf.Tensor, weights: tf.Tensor,
               weight_copies: Sequence[tf.Variable | tf.Tensor], seeds: tf.Tensor | None = None) -> TowerResult:

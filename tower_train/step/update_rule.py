@@ -206,6 +206,11 @@ class TrainingStatistics:
                                   aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
                       for i, v in enumerate(self.live)]
 
+    @property
+    def kept(self) -> list[tf.Variable]:
+        """The statistics as of the last applied update, in the order of `live`."""
+        return self._kept
+
     def keep(self) -> None:
         for kept, live in zip(self._kept, self.live, strict=True):
             kept.assign(live.read_value())

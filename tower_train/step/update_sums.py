@@ -25,11 +25,12 @@ class UpdateSums:
 
     `variable_options` go to every variable (the strategy modes' replica-local
     synchronization); `prefix` starts their names. `sparse`: the indices of the variables whose
-    occurrences are kept too, of `passes_held` passes (the micro-steps that `add`).
+    occurrences are kept too, of `passes_held` passes (the micro-steps that `add`). `moments`:
+    the shapes of the BN moments' sums the passes record (`pooled_moments.moment_shapes`).
     """
 
     def __init__(self, model: TowerModel, prefix: str = "", sparse: tuple[int, ...] = (), passes_held: int = 0,
-                 **variable_options):
+                 moments: list[list[int]] | None = None, **variable_options):
         def zeros(shape, dtype, name: str, grows: bool = False) -> tf.Variable:
             return tf.Variable(tf.zeros([0, *shape[1:]] if grows else shape, dtype), trainable=False,
                                name=prefix + name, shape=[None, *shape[1:]] if grows else None, **variable_options)
@@ -39,6 +40,7 @@ class UpdateSums:
         self._passes_held = passes_held
         self.occurrences = [(zeros(variables[j].shape, variables[j].dtype, f"occurrence_values_{j}", True),
                              zeros([0], tf.int64, f"occurrence_indices_{j}", True)) for j in sparse]
+        self.moments = [zeros(shape, tf.float32, f"moment_sum_{j}") for j, shape in enumerate(moments or [])]
         self.loss = zeros([], tf.float32, "loss_sum")
         self.weight = zeros([], tf.float32, "weight_sum")
         self.batch_gradients: list[tf.Variable] = []
@@ -66,6 +68,8 @@ class UpdateSums:
         for (values, indices), slices in zip(self.occurrences, result.slices, strict=True):
             values.assign(tf.concat([values, slices.values], 0))
             indices.assign(tf.concat([indices, slices.indices], 0))
+        for total, value in zip(self.moments, result.moments, strict=True):
+            total.assign_add(value)
 
     def plus(self, result: TowerResult) -> TowerResult:
         """The sums with one more tower pass added (the update's last), as a `TowerResult`; the
@@ -80,11 +84,12 @@ class UpdateSums:
                                         tf.concat([self._held(indices, new.indices), new.indices], 0),
                                         new.dense_shape)
                        for (values, indices), new in zip(self.occurrences, result.slices, strict=True))
+        moments = tuple(s.read_value() + m for s, m in zip(self.moments, result.moments, strict=True))
         return TowerResult(self.loss.read_value() + result.loss_sum, self.weight.read_value() + result.weight_sum,
-                           gradients, batch_loss, batch_gradients, slices=slices)
+                           gradients, batch_loss, batch_gradients, slices=slices, moments=moments)
 
     def clear(self) -> None:
-        for total in self.gradient_variables + self.scalar_variables:
+        for total in self.gradient_variables + self.scalar_variables + self.moments:
             total.assign(tf.zeros_like(total))
         for values, indices in self.occurrences:
             values.assign(values[:0])
