@@ -802,6 +802,45 @@ def test_a_loaded_model_resumes_the_train_dir(tmp_path):
         np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-7)
 
 
+def dropped() -> keras.Model:
+    """The softmax network with a Dropout layer, its seed generator seeded alike every time:
+    its masks follow the update's seeds (docs/models.md)."""
+    keras.utils.set_random_seed(21)
+    inputs = keras.Input((5,))
+    hidden = keras.layers.Dropout(0.3)(keras.layers.Dense(8, activation="tanh")(inputs))
+    return keras.Model(inputs, keras.layers.Dense(3, activation="softmax")(hidden))
+
+
+@pytest.mark.parametrize("how", ["backup_and_restore", "backup_and_restore, train_dir",
+                                 "initial_epoch", "initial_epoch, train_dir"])
+def test_a_resumed_fit_ends_with_the_uninterrupted_runs_weights(tmp_path, how):
+    """shuffle=True and Dropout, 4 epochs: interrupted at epoch 2 and run again with its
+    BackupAndRestore, or trained 2 epochs and then on from initial_epoch=2; with a train_dir or
+    without. Epochs 2 and 3 read the data in the uninterrupted run's order and draw its Dropout
+    masks, and end with its weights (1e-6): the run starts at epoch 2's first update."""
+    initial = dropped().get_weights()
+    x, y = data("softmax", seed=10)
+    options = dict(batch_size=B, epochs=4, shuffle=True, verbose=0, **LAYOUT)
+    if how.endswith("train_dir"):
+        options["train_dir"] = str(tmp_path / "run")
+    uninterrupted = compiled(dropped, initial, "categorical_crossentropy")
+    tower_train.keras.fit(uninterrupted, x, y, **{**options, "train_dir": str(tmp_path / "whole")})
+    model = compiled(dropped, initial, "categorical_crossentropy")
+    if how.startswith("backup_and_restore"):
+        backup = keras.callbacks.BackupAndRestore(str(tmp_path / "backup"))
+        with pytest.raises(tower_train.UsageError, match="interrupted"):
+            tower_train.keras.fit(model, x, y, **options, callbacks=[backup, InterruptAt(2)])
+        model = compiled(dropped, initial, "categorical_crossentropy")
+        history = tower_train.keras.fit(model, x, y, **options, callbacks=[backup])
+    else:
+        tower_train.keras.fit(model, x, y, **{**options, "epochs": 2})
+        history = tower_train.keras.fit(model, x, y, **options, initial_epoch=2)
+    assert history.epoch == [2, 3]
+    assert int(model.optimizer.iterations) == int(uninterrupted.optimizer.iterations) == 16
+    for got, expected in zip(model.get_weights(), uninterrupted.get_weights(), strict=True):
+        np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-7)
+
+
 def test_a_nan_loss_stops_the_run_before_the_weights_take_it(caplog):
     """With TerminateOnNaN, Keras's fit applies the NaN update, then stops and returns; here the
     update is never applied (--nonfinite=stop): the run stops there as TerminateOnNaN asks, with
@@ -1225,17 +1264,21 @@ def test_an_embedding_steps_as_in_kerass_fit_from_its_rows_occurrences(optimizer
           f"{difference:.3g} relative (largest element / largest of Keras's)")
 
 
-def test_batchnorms_moving_mean_moves_at_every_micro_step_of_every_tower():
-    """docs/keras.md's "BatchNorm": the moving mean after 3 updates of N=2 towers x K=2
-    micro-steps on data centred at 3, against Keras's fit at batch_size x accum. Keras's fit moves
-    it 3 times, tower mode N x K = 12 times (docs/batchnorm.md): from the initial 0 it goes
-    about (1 - 0.99^12) / (1 - 0.99^3) = 3.8 times as far."""
+@pytest.mark.parametrize("ps_device,jit_compile", [("cpu", False), ("spread", False), ("cpu", True)])
+def test_batchnorms_moving_statistics_move_once_per_update_as_in_kerass_fit(ps_device, jit_compile):
+    """docs/keras.md's "BatchNorm": after 3 updates of N=2 towers x K=2 micro-steps on data
+    centred at 3, BN's moving mean and variance are Keras's fit's at batch_size x accum (1e-4):
+    moved once per update from the update's pooled moments (--bn_statistics=per_update, the
+    default here). The layer before the BN is frozen, so that its inputs are Keras's whatever
+    normalizing per micro-batch does to the weights after it. With per_micro_step they move at every tower's pass, N x K = 12 times where
+    Keras's fit moves them 3: from the initial 0 the mean goes about
+    (1 - 0.99^12) / (1 - 0.99^3) = 3.8 times as far."""
     x = data("binary")[0] + 3.0
     y = data("binary")[1]
     updates = 3
 
     def make():
-        return keras.Sequential([keras.Input((5,)), keras.layers.Dense(4),
+        return keras.Sequential([keras.Input((5,)), keras.layers.Dense(4, trainable=False),
                                  keras.layers.BatchNormalization(name="norm"),
                                  keras.layers.Dense(1, activation="sigmoid")])
 
@@ -1244,14 +1287,20 @@ def test_batchnorms_moving_mean_moves_at_every_micro_step_of_every_tower():
     reference = compiled(make, initial, "binary_crossentropy")
     reference.fit(x[:updates * B * K], y[:updates * B * K], batch_size=B * K, epochs=1,
                   shuffle=False, verbose=0)
-    model = compiled(make, initial, "binary_crossentropy")
-    tower_train.keras.fit(model, x, y, batch_size=B, epochs=1, steps_per_epoch=updates,
-                          shuffle=False, verbose=0, **LAYOUT)
-    moving_mean = {name: np.asarray(m.get_layer("norm").moving_mean)
-                   for name, m in (("here", model), ("kerass", reference))}
-    ratio = np.abs(moving_mean["here"]).sum() / np.abs(moving_mean["kerass"]).sum()
-    print("moving mean, distance from 0 here / in Keras's fit:", round(float(ratio), 3),
-          moving_mean)
+    trained = {}
+    for statistics in ("per_update", "per_micro_step"):
+        model = compiled(make, initial, "binary_crossentropy")
+        tower_train.keras.fit(model, x, y, batch_size=B, epochs=1, steps_per_epoch=updates,
+                              shuffle=False, verbose=0, **LAYOUT, bn_statistics=statistics,
+                              ps_device=ps_device, jit_compile=jit_compile)
+        trained[statistics] = model.get_layer("norm")
+    want = reference.get_layer("norm")
+    for name in ("moving_mean", "moving_variance"):
+        np.testing.assert_allclose(np.asarray(getattr(trained["per_update"], name)),
+                                   np.asarray(getattr(want, name)), rtol=1e-4, err_msg=name)
+    ratio = (np.abs(np.asarray(trained["per_micro_step"].moving_mean)).sum()
+             / np.abs(np.asarray(want.moving_mean)).sum())
+    print("per_micro_step: moving mean, distance from 0 here / in Keras's fit:", round(float(ratio), 3))
     momentum = 0.99
     assert ratio == pytest.approx((1 - momentum ** (N * K * updates)) / (1 - momentum ** updates),
                                   rel=0.1)

@@ -82,7 +82,8 @@ def _warn_unused_devices(config: TrainConfig) -> None:
 def fit(model: object = None, data: object = None, *, num_classes: int | None = None,
         loss: object = None, eval_data: tuple | None = None, shuffle: bool | None = None,
         callbacks: list | None = None, metrics: list | None = None, stop=None,
-        watchdog: peer_watchdog.PeerClock | None = None, show_progress: bool = True, **options):
+        watchdog: peer_watchdog.PeerClock | None = None, show_progress: bool = True,
+        initial_step: int = 0, **options):
     """Trains `model` on `data` until --max_steps updates, resuming from train_dir.
 
     Args:
@@ -116,6 +117,10 @@ def fit(model: object = None, data: object = None, *, num_classes: int | None = 
         terminal, the end) shown even where the logging set-up would drop them (`log_shown`).
         False: neither, for a caller that shows its own (`tower_train.keras.fit` prints Keras's);
         the lines then go where the logging set-up sends them.
+      initial_step: where a run whose train_dir holds no checkpoint starts, as if it had
+        trained that many updates: its step count, its place in the data stream and its seeds
+        continue from there as an uninterrupted run's would (`tower_train.keras.fit` passes its
+        initial_epoch's first update).
       **options: every training option, by its flag's name (see `TrainConfig`); `optimizer`
         may also be a `keras.optimizers.Optimizer` object (a copy of it trains, with its own
         rate or schedule and clipping: the learning-rate options are then refused).
@@ -144,7 +149,7 @@ def fit(model: object = None, data: object = None, *, num_classes: int | None = 
                               optimizer=optimizer, watchdog=watchdog) as run:
         _warn_unused_devices(run.config)
         return _train(run, callbacks or [], metrics or [], stop, watchdog or peer_watchdog.PeerClock(),
-                      show_progress and sys.stderr.isatty())
+                      show_progress and sys.stderr.isatty(), initial_step)
 
 
 @contextlib.contextmanager
@@ -179,7 +184,7 @@ def log_shown() -> Iterator[None]:
 
 
 def _train(run: startup.Started, callbacks: list, metrics: list, stop,
-           watchdog: peer_watchdog.PeerClock, live_progress: bool):
+           watchdog: peer_watchdog.PeerClock, live_progress: bool, initial_step: int = 0):
     """`fit` once the run is started: its train_dir locked, its checks passed."""
     import tensorflow as tf
 
@@ -190,7 +195,8 @@ def _train(run: startup.Started, callbacks: list, metrics: list, stop,
         metrics = make_metrics(metrics)
     try:
         return controller.train(run.config, run.spec, run.source, run.mode, watchdog, stop,
-                                live_progress=live_progress, callbacks=callbacks, metrics=metrics)
+                                live_progress=live_progress, callbacks=callbacks, metrics=metrics,
+                                initial_step=initial_step)
     except (tf.errors.UnavailableError, tf.errors.DeadlineExceededError,
             tf.errors.CancelledError, tf.errors.AbortedError) as e:
         if run.worker.count == 1:

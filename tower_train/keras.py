@@ -102,8 +102,7 @@ def fit(model: keras.Model, x: Any = None, y: Any = None, batch_size: int | None
     epoch_examples = None  # of a dataset, read once per epoch; else the arrays' own
     if isinstance(x, (tf.data.Dataset, keras.utils.PyDataset)):
         x, y, sample_weight, batch_size, epoch_examples = read_dataset(
-            x, y, sample_weight, batch_size, validation_split, max(epochs - initial_epoch, 1),
-            shuffle)
+            x, y, sample_weight, batch_size, validation_split, max(epochs, 1), shuffle)
         shuffle = False  # each epoch's order is the one Keras's fit would have read
     batch_size = DEFAULT_BATCH_SIZE if batch_size is None else batch_size
     for name, value, least in (("batch_size", batch_size, 1), ("num_gpus", num_gpus, 0),
@@ -127,11 +126,12 @@ def fit(model: keras.Model, x: Any = None, y: Any = None, batch_size: int | None
     # One pass of the data, in updates of G examples: Keras's batches at batch_size x accum.
     batches = math.ceil((epoch_examples or source.train_size) / (batch_size * accum))
     per_epoch = batches if steps_per_epoch is None else steps_per_epoch
-    lengths = epoch_lengths(steps_per_epoch, batches, max(epochs - initial_epoch, 0))
+    # Every epoch from 0: a run that starts at initial_epoch (or a BackupAndRestore's) reads the
+    # data and draws the seeds there as the uninterrupted run did.
+    lengths = epoch_lengths(steps_per_epoch, batches, epochs)
     loss = CompiledLoss(model, *tf.nest.map_structure(lambda a: a[:1], (features, targets)),
                         weighted=sample_weight is not None or class_weight is not None)
-    loop = _KerasFitLoop(model, callbacks, verbose, epochs, initial_epoch, per_epoch, lengths,
-                         held_out,
+    loop = _KerasFitLoop(model, callbacks, verbose, epochs, initial_epoch, per_epoch, lengths, held_out,
                          validation_freq, validation_steps, validation_batch_size or batch_size,
                          loss.tracks_metrics)
     if epochs <= initial_epoch:  # as Keras: nothing to train
@@ -145,8 +145,9 @@ def fit(model: keras.Model, x: Any = None, y: Any = None, batch_size: int | None
     # compile()'s jit_compile, as Keras decided it ("auto": on where a GPU computes, as here).
     options.setdefault("jit_compile", bool(model.jit_compile))
     options.setdefault("sparse_steps", True)  # an Embedding's rows per occurrence, as Keras steps them
+    options.setdefault("bn_statistics", "per_update")  # BN's moving statistics as Keras's fit at G moves them
     if given_dir is None:  # nothing resumes from it: only the save at the end, which is required
-        options.setdefault("checkpoint_every", sum(lengths))
+        options.setdefault("checkpoint_every", sum(lengths))  # the last update's
     try:
         # Tower mode trains the model itself, wherever Keras made its weights, as Keras's fit
         # does (a model whose layers Keras cannot remake from their config trains too); a
@@ -164,7 +165,8 @@ def fit(model: keras.Model, x: Any = None, y: Any = None, batch_size: int | None
                 optimizer=_stepping(loop.own_optimizer), data=source, callbacks=[loop],
                 show_progress=False,
                 num_gpus=num_gpus, accum=accum, batch_size=batch_size // towers,
-                max_steps=sum(lengths), train_dir=train_dir, **options)
+                max_steps=sum(lengths), initial_step=sum(lengths[:initial_epoch]),
+                train_dir=train_dir, **options)
     finally:
         # compile()'s optimizer goes back, tracked again, where the run gave the trained network
         # its own (training/controller.py) and the copy stood in.
@@ -294,8 +296,8 @@ class _KerasFitLoop(keras.callbacks.Callback):
         self.list = keras.callbacks.CallbackList(
             [*callbacks, self.history], add_history=False, add_progbar=verbose != 0,
             model=model, verbose=verbose, epochs=epochs, steps=per_epoch)
-        self._user_model, self._initial_epoch, self._per_epoch = model, initial_epoch, per_epoch
-        # The updates of each epoch from initial_epoch on (keras_data.epoch_lengths), and the
+        self._user_model, self._per_epoch = model, per_epoch
+        # The updates of each epoch from epoch 0 on (keras_data.epoch_lengths), and the
         # number of updates before each.
         self._lengths, self._before = lengths, list(itertools.accumulate(lengths, initial=0))
         self._held_out, self._validation_freq = held_out, validation_freq
@@ -326,8 +328,8 @@ class _KerasFitLoop(keras.callbacks.Callback):
 
     def _place(self, step: int) -> tuple[int, int]:
         """Keras's (epoch, batch) of update `step` (1-based)."""
-        index = bisect.bisect_right(self._before, step - 1) - 1
-        return self._initial_epoch + index, step - 1 - self._before[index]
+        epoch = bisect.bisect_right(self._before, step - 1) - 1
+        return epoch, step - 1 - self._before[epoch]
 
     def on_train_begin(self, logs=None) -> None:
         """Before the first update: a fresh run's optimizer continues the state of the model's
@@ -352,7 +354,7 @@ class _KerasFitLoop(keras.callbacks.Callback):
         self._loss_sum += logs["loss"]
         self._epoch_updates += 1
         self.list.on_train_batch_end(batch, self._epoch_logs() if self._batch_logs_read else {})
-        if batch == self._lengths[epoch - self._initial_epoch] - 1:
+        if batch == self._lengths[epoch] - 1:
             if batch < self._per_epoch - 1:  # the data ran out before steps_per_epoch
                 warnings.warn(OUT_OF_DATA, stacklevel=2)
             self._end_epoch(epoch)

@@ -296,7 +296,7 @@ class Controller:
 def train(config: TrainConfig, spec: ModelSpec, source: Source, mode: Mode,
           watchdog: PeerClock = PeerClock(), stop: StopSignals | None = None,
           live_progress: bool = False, callbacks: Sequence[keras.callbacks.Callback] = (),
-          metrics: Sequence[keras.metrics.Metric] = ()) -> TrainResult:
+          metrics: Sequence[keras.metrics.Metric] = (), initial_step: int = 0) -> TrainResult:
     """Trains until `config.max_steps` updates, resuming from train_dir if it holds a checkpoint.
 
     `mode` was built first (`modes.build_mode`: a multi-worker strategy must precede other
@@ -305,16 +305,19 @@ def train(config: TrainConfig, spec: ModelSpec, source: Source, mode: Mode,
     of the current update and raises Stopped. `live_progress` draws a live progress line
     (a terminal) instead of log lines. `callbacks`: the user's Keras callbacks (keras_callbacks.py).
     `metrics`: Keras metrics computed at every held-out evaluation (held_out.py).
+    `initial_step`: where a run that finds no checkpoint starts, as if it had trained that many
+    updates: its step count, its place in the data stream and its seeds continue from there,
+    as an uninterrupted run's would (`tower_train.keras.fit`'s initial_epoch).
     """
     with run_numerics(config.deterministic, config.tf32):
         return _train(config, spec, source, mode, watchdog, stop, live_progress, callbacks,
-                      metrics)
+                      metrics, initial_step)
 
 
 def _train(config: TrainConfig, spec: ModelSpec, source: Source, mode: Mode, watchdog: PeerClock,
            stop: StopSignals | None, live_progress: bool,
            callbacks: Sequence[keras.callbacks.Callback],
-           metrics: Sequence[keras.metrics.Metric]) -> TrainResult:
+           metrics: Sequence[keras.metrics.Metric], initial_step: int = 0) -> TrainResult:
     worker, plan = mode.worker, mode.plan
     log = _worker_logger(worker)
     global_batch = config.global_batch * worker.count
@@ -333,6 +336,9 @@ def _train(config: TrainConfig, spec: ModelSpec, source: Source, mode: Mode, wat
         latest = writer.restore(state.all_finite)
     if latest:
         log("resumed from %s at step %d", latest, _value(state.step))
+    elif initial_step:
+        state.step.assign(initial_step)
+        state.examples_seen.assign(initial_step * global_batch)
     batches = call_user_code(run.batches, f"{source.name}: preprocess")
     log("%s", run.describe_layout())
     summaries = Summaries(config.train_dir if worker.is_chief else None)
