@@ -47,12 +47,13 @@ def build_workload(bench: BenchConfig, config: TrainConfig, plan: DevicePlan,
     from tower_train.data import catalog
     from tower_train.devices import HOST_DEVICE, parameter_device
     from tower_train.model_spec import resolve_model
-    from tower_train.step.modes import build_mode
+    from tower_train.step.modes import build_mode, resolve_jit_compile
     from tower_train.training.run import Run, TrainState
     from tower_train.traffic import compute_devices
 
     config = dataclasses.replace(config, batch_size=bench.batch_size, accum=bench.accum,
-                                 tower_split=bench.tower_split)
+                                 tower_split=bench.tower_split,
+                                 jit_compile=resolve_jit_compile(config, plan)[0])  # the baselines' too
     if bench.kind.startswith("tower_ps"):  # the kind, not --ps_device, says where the variables live
         ps_device = bench.kind.removeprefix("tower_ps")
         tower_weights = "per_micro_step" if bench.weights_per_micro_step else config.tower_weights
