@@ -67,8 +67,8 @@ def weights(model) -> list[np.ndarray]:
     return [np.asarray(tf.convert_to_tensor(v)) for v in model.trainable_variables]
 
 
-# A tiny network and weighted micro-batches for the inner steps' unit tests (test_tower_mode.py,
-# test_strategy_mode.py), and the update they must apply, computed independently.
+# A tiny network and weighted micro-batches for the inner steps' unit tests (test_tower_step.py,
+# test_strategy_step.py), and the update they must apply, computed independently.
 FEATURES, CLASSES = 4, 3
 LR = 0.5
 DECAY = 0.01

@@ -16,7 +16,7 @@ from tower_train.config import MODE_RULES, TrainConfig
 from tower_train.devices import canonical_device, plan_devices
 from tower_train.errors import UsageError
 from tower_train.step.device_feed import shard_specs
-from tower_train.step.modes import MODES, build_mode, fit_plan_to_mode, resolve_all_reduce, resolve_jit_compile
+from tower_train.step.modes import MODE_CLASSES, build_mode, fit_plan_to_mode, resolve_all_reduce, resolve_jit_compile
 from helpers import cross_tower_ops, make_run, read_until, weights
 from test_cli_errors import ROOT
 from test_train import checkpoint_values
@@ -59,7 +59,7 @@ def test_a_mode_creates_variables_where_its_placement_says(mode, holder):
     with built.variable_scope():
         variable = tf.Variable(tf.zeros([3]))
 
-    assert type(built) is MODES[mode] and (built.strategy is None) == (mode == "tower")
+    assert type(built) is MODE_CLASSES[mode] and (built.strategy is None) == (mode == "tower")
     if holder is not None:
         assert canonical_device(variable.device) == canonical_device(built.placement.device_of(variable)) == holder
         assert built.placement.describe([variable]) == "/cpu:0"
@@ -242,4 +242,4 @@ def test_a_worker_whose_peer_dies_exits_naming_it(tmp_path):
 
 
 def test_every_mode_of_the_rules_has_its_class_which_takes_its_rules_from_them():
-    assert {name: mode.rules for name, mode in MODES.items()} == MODE_RULES
+    assert {name: mode.rules for name, mode in MODE_CLASSES.items()} == MODE_RULES

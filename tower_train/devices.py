@@ -233,8 +233,8 @@ def canonical_device(device: str) -> str:
 
 class Placement(Protocol):
     """Where a run's variables live: the scope they are created in, and the device that holds
-    each one (and runs its reduction and update). Tower mode's placements (`tower_mode.OneDevice`,
-    `spread.SpreadPlacement`) also build the layout its step runs (`tower_mode.TowerPlacement`)."""
+    each one (and runs its reduction and update). Tower mode's placements (`one_device.OneDevice`,
+    `spread.SpreadPlacement`) also build the layout its step runs (`tower_layout.TowerPlacement`)."""
 
     def scope(self) -> ContextManager:
         """Variables created inside are placed by this placement."""

@@ -2,7 +2,7 @@
 variables, where they live (a `devices.Placement`) and which inner step runs the updates.
 
 - `TowerMode` (`tower`): the classic pattern, no strategy: variables on the parameter
-  device, towers placed by hand (`tower_mode.TowerStep`).
+  device, towers placed by hand (`tower_step.TowerStep`).
 - `MirroredMode` (`mirrored`): `tf.distribute.MirroredStrategy` over the same tower devices.
 - `MultiWorkerMode` (`multi_worker`): `tf.distribute.MultiWorkerMirroredStrategy`, from
   TF_CONFIG or Slurm (`--cluster`).
@@ -10,7 +10,7 @@ variables, where they live (a `devices.Placement`) and which inner step runs the
   TF's own variables-on-one-device strategy, over the same towers and parameter device.
 
 All four apply the same update: the gradient of the weighted mean loss over the G examples
-(`strategy_mode` for the three strategies). What each is and allows, its default reduction
+(`strategy_step` for the three strategies). What each is and allows, its default reduction
 included, is `config.MODE_RULES`, from which each class takes its `rules` by name.
 """
 from __future__ import annotations
@@ -182,7 +182,7 @@ class Mode:
 
 class TowerMode(Mode):
     """The classic pattern: no strategy, the variables on the parameter device, the towers
-    placed by hand (`tower_mode.TowerStep`), reduced on the parameter device."""
+    placed by hand (`tower_step.TowerStep`), reduced on the parameter device."""
 
     rules = MODE_RULES["tower"]
 
@@ -191,14 +191,14 @@ class TowerMode(Mode):
             from tower_train.step.spread import SpreadPlacement
 
             return SpreadPlacement(self.plan.param_device, self.plan.tower_devices)
-        from tower_train.step.tower_mode import OneDevice
+        from tower_train.step.one_device import OneDevice
 
         return OneDevice(self.plan.param_device)
 
     def inner_step(self, state, prepare=None) -> InnerStep:
         """Also: tower mode's weights fetched as --tower_weights says and its gradient sums sent
         in --transfer_precision."""
-        from tower_train.step.tower_mode import TowerStep
+        from tower_train.step.tower_step import TowerStep
 
         config = self.config
         rule = state.update_rule(config.clip_norm)
@@ -210,7 +210,7 @@ class TowerMode(Mode):
 
 
 class _StrategyMode(Mode):
-    """A tf.distribute strategy holds the variables and runs `strategy_mode.StrategyStep`."""
+    """A tf.distribute strategy holds the variables and runs `strategy_step.StrategyStep`."""
 
     def _placement(self) -> Placement:
         return StrategyPlacement(self._make_strategy(),
@@ -224,7 +224,7 @@ class _StrategyMode(Mode):
         return self.placement.strategy
 
     def inner_step(self, state, prepare=None) -> InnerStep:
-        from tower_train.step.strategy_mode import StrategyStep
+        from tower_train.step.strategy_step import StrategyStep
 
         config = self.config
         rule = state.update_rule(config.clip_norm)
@@ -286,8 +286,8 @@ class MultiWorkerMode(_StrategyMode):
 
 
 # Each --mode's class, by the name its rules give.
-MODES: dict[str, type[Mode]] = {mode.rules.name: mode for mode in (TowerMode, MirroredMode, CentralStorageMode,
-                                                                   MultiWorkerMode)}
+MODE_CLASSES: dict[str, type[Mode]] = {mode.rules.name: mode for mode in (
+    TowerMode, MirroredMode, CentralStorageMode, MultiWorkerMode)}
 
 
 def build_mode(config: TrainConfig, plan: DevicePlan, worker: WorkerInfo = SINGLE_PROCESS,
@@ -300,4 +300,4 @@ def build_mode(config: TrainConfig, plan: DevicePlan, worker: WorkerInfo = SINGL
     """
     if all_reduce is None:
         all_reduce = resolve_all_reduce(config.mode, config.all_reduce, plan)
-    return MODES[config.mode](config=config, plan=plan, worker=worker, all_reduce=all_reduce)
+    return MODE_CLASSES[config.mode](config=config, plan=plan, worker=worker, all_reduce=all_reduce)

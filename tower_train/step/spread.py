@@ -6,7 +6,7 @@ weights, the optimizer's slots for it and its moving average, and updates them t
 (`apply`): the optimizer's update is elementwise, so a slice updated alone changes as its rows
 of the whole variable would, to float rounding. The slots belong to a second optimizer of the same class
 and settings, built over the slices (Keras creates each slot beside its variable).
-`SpreadLayout`, the `tower_mode.TowerLayout` of `SpreadPlacement`, sends each tower the slices
+`SpreadLayout`, the `tower_layout.TowerLayout` of `SpreadPlacement`, sends each tower the slices
 it needs and each owner its rows of the gradient sums.
 
 The TrainState on the host stays what a checkpoint holds, so checkpoints are the same whatever
@@ -28,7 +28,7 @@ from tower_train.devices import canonical_device
 from tower_train.errors import UsageError
 from tower_train.step.inner_step import Decision
 from tower_train.step.schedules import MovingAverage
-from tower_train.step.tower_mode import TowerLayout, TowerSetup, TowerSums, weight_copies
+from tower_train.step.tower_layout import TowerLayout, TowerSetup, TowerSums, weight_copies
 from tower_train.step.towers import combine_gradients, read_in_compute_dtype, regularization_gradients
 from tower_train.step.update_rule import tensors_finite
 
@@ -280,7 +280,7 @@ class SpreadLayout:
     update (at every K) from the slices; each slice's owner gets its rows of every tower's
     gradient sums, combines and applies them, and the host decides from one flag (and one partial
     squared norm, for clipping) per owner. A tower receives and sends only the rows it does not
-    own, each in the dtype `tower_mode` gives (`--precision`, `--transfer_precision`)."""
+    own, each in the dtype `tower_step` gives (`--precision`, `--transfer_precision`)."""
 
     def __init__(self, *, setup: TowerSetup, placement: SpreadPlacement):
         rule = setup.rule

@@ -1,4 +1,4 @@
-"""tower_train.step.strategy_mode's `StrategyStep` built directly in this process, under a
+"""tower_train.step.strategy_step's `StrategyStep` built directly in this process, under a
 MirroredStrategy over 2 logical CPUs (/cpu:1, /cpu:2) reducing through /cpu:0: one update of K = 2
 against a plain GradientTape step on the concatenated batch, the replica-local accumulators cleared
 after it, a refused update (total weight 0, or non-finite) that moves nothing on either replica,
@@ -12,7 +12,7 @@ import pytest
 import tensorflow as tf
 
 from tower_train.step.inner_step import Decision
-from tower_train.step.strategy_mode import StrategyStep
+from tower_train.step.strategy_step import StrategyStep
 from tower_train.step.update_rule import LossScale, UpdateRule
 from helpers import DECAY, FEATURES, LR, TinyNet, fed, micro_batches, plain_sgd_step, values
 

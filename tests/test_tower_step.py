@@ -1,4 +1,4 @@
-"""tower_train.step.tower_mode's `TowerStep` built directly in this process, on a tiny model with 2
+"""tower_train.step.tower_step's `TowerStep` built directly in this process, on a tiny model with 2
 towers on logical CPUs (/cpu:1, /cpu:2) and its variables on /cpu:0: one update of K = 2 against a
 plain GradientTape step on the concatenated batch, what `accumulate` adds and `update` clears, a
 refused update (total weight 0, or non-finite) that moves nothing, and the functions
@@ -13,7 +13,8 @@ import tensorflow as tf
 
 from tower_train.devices import canonical_device
 from tower_train.step.inner_step import Decision
-from tower_train.step.tower_mode import OneDevice, TowerStep
+from tower_train.step.one_device import OneDevice
+from tower_train.step.tower_step import TowerStep
 from tower_train.step.update_rule import LossScale, UpdateRule
 from helpers import DECAY, FEATURES, LR, TinyNet, fed, micro_batches, plain_sgd_step, values
 

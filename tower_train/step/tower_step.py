@@ -39,8 +39,9 @@ What crosses devices can be narrower than float32:
 
 A tower on the parameter device casts nothing: nothing of it crosses devices.
 
-Where the weights come from and where the sums go is the placement's `TowerLayout`: with
-`OneDevice` (`--ps_device=cpu|gpu`) the `ParameterDeviceLayout` above; with
+Where the weights come from and where the sums go is the placement's `TowerLayout`
+(`tower_layout.py`): with `one_device.OneDevice` (`--ps_device=cpu|gpu`) the
+`ParameterDeviceLayout` above; with
 `--ps_device=spread` the `spread.SpreadLayout`, which keeps the weights in slices on the tower
 devices and reduces on their owners. `TowerStep` runs the towers, their sums, seeds and the
 settling of the decision, the same for every layout.
@@ -64,217 +65,20 @@ device.
 """
 from __future__ import annotations
 
-import dataclasses
-from typing import Callable, ContextManager, Iterator, Mapping, Protocol, Sequence
+from typing import Callable, Iterator, Mapping, Sequence
 
 import tensorflow as tf
 
 from tower_train.data.source import Preprocess
-from tower_train.devices import HOST_DEVICE, Placement, canonical_device
+from tower_train.devices import HOST_DEVICE
 from tower_train.step.device_feed import feed_devices, shard_specs
 from tower_train.step.inner_step import BatchSpec, Decision, Shards, UpdateResult
-from tower_train.step.towers import (TowerResult, combine_gradients, combine_slices, compiled_tower_function,
-                                     labels_per_shard, pass_seeds, read_in_compute_dtype, regularization_gradients, run_on_towers,
-                                     seed_generator_states, tower_function)
 from tower_train.step.pooled_moments import PooledMoments, moment_shapes, moving_layers
-from tower_train.step.update_rule import TrainingStatistics, UpdateRule, tensors_finite
+from tower_train.step.tower_layout import TowerPlacement, TowerSetup, TowerSums
+from tower_train.step.towers import (TowerResult, compiled_tower_function, labels_per_shard, pass_seeds,
+                                     run_on_towers, seed_generator_states, tower_function)
+from tower_train.step.update_rule import TrainingStatistics, UpdateRule
 from tower_train.step.update_sums import UpdateSums
-
-
-@dataclasses.dataclass(frozen=True)
-class TowerSetup:
-    """What a `TowerLayout` is built for: the rule, the towers and the options of the step."""
-
-    rule: UpdateRule
-    tower_devices: tuple[str, ...]
-    accum: int
-    tower_weights: str  # `TrainConfig.tower_weights`
-    jit_compile: bool
-    transfer_dtype: tf.DType  # the dtype the towers' gradient sums cross devices in
-
-
-@dataclasses.dataclass(frozen=True)
-class TowerSums:
-    """An update's sums as the towers leave them: what a layout reduces."""
-
-    gradients: list[list[tf.Tensor]]  # per tower, on its device: its gradient sums, one per weight
-    counts: Sequence[float]  # per tower: its labels, c_i
-    total_weight: tf.Tensor  # W, on the layout's host
-    safe_weight: tf.Tensor  # W, or 1 where W = 0 (then the update is refused)
-    mean_loss: Callable[[tf.Tensor], tf.Tensor]  # the update's mean loss with this regularization, here
-    sparse: tuple[int, ...] = ()  # the variables stepped sparsely, by index
-    slices: Sequence[Sequence[tf.IndexedSlices]] = ()  # per tower, on its device: their occurrences
-
-
-class TowerLayout(Protocol):
-    """Where tower mode's weights come from and where its sums go, built by the placement.
-
-    Attributes:
-      host: the device of the counters and BN statistics, which decides the update.
-      copies: per tower, its copy of the trainable weights, or None to be sent them each pass.
-    """
-
-    host: str
-    copies: list[list[tf.Variable] | None]
-
-    def tower_weights(self) -> list:
-        """Per tower, what its pass reads: its copy, the weights sent it, or None (the variables)."""
-
-    def refresh_weights(self) -> None:
-        """Fills the towers' copies with the current weights (once per update)."""
-
-    def reduce(self, sums: TowerSums) -> tuple[tf.Tensor, tf.Tensor, Callable[[], object]]:
-        """(the mean loss, the `Decision`, what applies the update on the host if it is applied)."""
-
-    def before_update(self) -> None:
-        """Takes in what was written into the TrainState since the last update."""
-
-    def after_update(self, applied: bool) -> None:
-        """Notes an update done, applied or not."""
-
-    def sync_state(self) -> None:
-        """`InnerStep.sync_state`."""
-
-    def state_written(self) -> None:
-        """`InnerStep.state_written`."""
-
-    def held_finite(self) -> bool:
-        """`InnerStep.held_finite`."""
-
-    def variable_roles(self) -> Mapping[str, list]:
-        """"weights": the layout's own copies of weights; "held": state that never leaves its device."""
-
-
-class TowerPlacement(Placement, Protocol):
-    """A placement tower mode runs: it builds its layout."""
-
-    def tower_layout(self, setup: TowerSetup) -> TowerLayout:
-        """The layout of a `TowerStep` over `setup`, its variables placed by this placement."""
-
-
-def weight_copies(model, device: str, tower: int, narrow_weights: Sequence[bool]) -> list[tf.Variable]:
-    """Tower `tower`'s copy of the trainable weights on `device`, in the compute dtype where it
-    reads them in it. Not state: a TowerStep is not checkpointed, and each update refreshes them."""
-    with tf.device(device):
-        return [tf.Variable(tf.zeros(v.shape, model.compute_dtype if narrow else v.dtype),
-                            trainable=False, name=f"tower_{tower}_weights_{j}")
-                for j, (v, narrow) in enumerate(zip(model.trainable_variables, narrow_weights, strict=True))]
-
-
-@dataclasses.dataclass(frozen=True)
-class OneDevice:
-    """Every variable on one device: tower mode's parameter device (`ParameterDeviceLayout`)."""
-
-    device: str
-
-    def scope(self) -> ContextManager:
-        return tf.device(self.device)
-
-    def device_of(self, variable) -> str:
-        return self.device
-
-    def describe(self, trainable_variables: Sequence) -> str:
-        return self.device
-
-    def tower_layout(self, setup: TowerSetup) -> TowerLayout:
-        return ParameterDeviceLayout(setup=setup, device=self.device)
-
-
-class ParameterDeviceLayout:
-    """Every variable on one device (`--ps_device=cpu|gpu`): the weights leave it once per update
-    for the towers that keep a copy (or each pass for the others), and every tower's gradient
-    sums come to it, which combines, decides and applies."""
-
-    def __init__(self, *, setup: TowerSetup, device: str):
-        model = setup.rule.model
-        self.host = device
-        self._setup = setup
-        # Per trainable variable: whether its value travels to the towers in the compute dtype.
-        self._narrow_weights = read_in_compute_dtype(model)
-        # Per tower: whether it is on another device than the variables, so that what it reads
-        # and returns crosses devices.
-        self._remote = [canonical_device(d) != canonical_device(device) for d in setup.tower_devices]
-        copied = setup.tower_weights == "per_update" and setup.accum > 1
-        self.copies = [weight_copies(model, tower_device, i, self._narrow_weights) if copied and remote else None
-                       for i, (tower_device, remote) in enumerate(zip(setup.tower_devices, self._remote, strict=True))]
-
-    def tower_weights(self) -> list:
-        weights = list(self.copies)
-        # The towers without a copy that read what the parameter device sends: those off it when
-        # weights travel narrowed, and every one under XLA, whose compiled pass reads no variable.
-        reads = [copies is None and (remote or self._setup.jit_compile)
-                 for copies, remote in zip(weights, self._remote, strict=True)]
-        if (any(self._narrow_weights) or self._setup.jit_compile) and any(reads):
-            sent = self._sent_weights()  # read once per micro-step, then sent to each tower
-            weights = [sent if read else copies for copies, read in zip(weights, reads, strict=True)]
-        return weights
-
-    def refresh_weights(self) -> None:
-        """Copies the current trainable weights to every tower that keeps a copy: the only
-        weight traffic of the update."""
-        sent = self._sent_weights()
-        for device, copies in zip(self._setup.tower_devices, self.copies, strict=True):
-            if copies is not None:
-                with tf.device(device):
-                    for copy, value in zip(copies, sent, strict=True):
-                        copy.assign(value)
-
-    def _sent_weights(self) -> list:
-        """The trainable weights as they travel to the towers: the variables themselves, or, where
-        a tower reads one in the compute dtype, its value cast to that on the device holding it."""
-        model = self._setup.rule.model
-        sent = []
-        with tf.device(self.host):
-            for v, narrow in zip(model.trainable_variables, self._narrow_weights, strict=True):
-                sent.append(tf.cast(v, model.compute_dtype) if narrow else v)
-        return sent
-
-    def reduce(self, sums: TowerSums) -> tuple[tf.Tensor, tf.Tensor, Callable[[], object]]:
-        """Every tower's gradient sums to the parameter device, which combines and decides."""
-        setup, rule = self._setup, self._setup.rule
-        tower_grads = list(sums.gradients)
-        if setup.transfer_dtype != tf.float32:
-            for i, (device, remote) in enumerate(zip(setup.tower_devices, self._remote, strict=True)):
-                if remote:
-                    with tf.device(device):
-                        tower_grads[i] = [tf.cast(g, setup.transfer_dtype) for g in tower_grads[i]]
-        with tf.device(self.host):
-            variables = rule.model.trainable_variables
-            tower_grads = [[tf.cast(g, v.dtype) for g, v in zip(grads, variables, strict=True)]
-                           for grads in tower_grads]  # back from transfer_dtype; else nothing
-            regularization, regularization_grads = regularization_gradients(rule.model)
-            mean_loss = sums.mean_loss(regularization)
-            mean_grads = combine_gradients(tower_grads, sums.counts, sums.safe_weight)
-            if rule.loss_scale is not None:
-                mean_grads = rule.loss_scale.unscale(mean_grads)
-            mean_grads = [g + r for g, r in zip(mean_grads, regularization_grads, strict=True)]
-            decision = rule.decide(sums.total_weight, tensors_finite([mean_loss, *mean_grads]), mean_loss)
-            # Their dense gradients above decide and clip; the occurrences step. They travel in
-            # float32, whatever transfer_dtype; no regularization reaches them (`sparse_gradients`).
-            sparse = {}
-            if sums.sparse:
-                scale = sums.safe_weight * (1.0 if rule.loss_scale is None else rule.loss_scale.value)
-                sparse = dict(zip(sums.sparse, combine_slices(sums.slices, sums.counts, scale), strict=True))
-        return mean_loss, decision, lambda: rule.apply(rule.clip(mean_grads, sparse=sparse))
-
-    def before_update(self) -> None:
-        pass  # the towers read the TrainState's variables themselves
-
-    def after_update(self, applied: bool) -> None:
-        pass
-
-    def sync_state(self) -> None:
-        pass  # the TrainState's variables are the weights
-
-    def state_written(self) -> None:
-        pass
-
-    def held_finite(self) -> bool:
-        return True
-
-    def variable_roles(self) -> Mapping[str, list]:
-        return {"weights": [c for tower in self.copies if tower is not None for c in tower], "held": []}
-
 
 class TowerStep:
     """The inner step of tower mode for one model, optimizer and device layout."""
