@@ -16,7 +16,7 @@ from helpers import make_run, weights
 from test_cli_errors import run_cli
 import test_traffic  # noqa: F401 (registers test_traffic_probe: Dense, BN, Dense)
 import tower_train.models as models
-from tower_train.step import tower_step
+from tower_train.step import one_device
 from tower_train.devices import canonical_device
 from tower_train.step.inner_step import Decision
 from tower_train.step.towers import read_in_compute_dtype
@@ -187,11 +187,11 @@ def test_weights_sent_in_the_compute_dtype_give_bit_identical_updates(monkeypatc
     assert read_in_compute_dtype(narrowed.state.model) == [True, True, False, False, True, True]
     got = trained(narrowed)
     with monkeypatch.context() as patch:  # as before: every weight sent in float32
-        patch.setattr(tower_step, "read_in_compute_dtype", lambda model: [False] * 6)
+        patch.setattr(one_device, "read_in_compute_dtype", lambda model: [False] * 6)
         want = trained(make_run(**layout))
         # And the comparison can fail: gamma and beta sent in 16 bits are rounded, which the towers
         # would not have done.
-        patch.setattr(tower_step, "read_in_compute_dtype", lambda model: [True] * 6)
+        patch.setattr(one_device, "read_in_compute_dtype", lambda model: [True] * 6)
         rounded = trained(make_run(**layout))
     for g, w in zip(got, want, strict=True):
         np.testing.assert_array_equal(g, w)

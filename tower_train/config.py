@@ -59,7 +59,38 @@ ONE_PROCESS_MODES = tuple(rules.name for rules in MODE_RULES.values() if not rul
 SYNC_BN_MODES = tuple(rules.name for rules in MODE_RULES.values() if rules.replica_context)
 CLUSTERS = ("tf_config", "slurm", "auto")  # where multi_worker's workers learn the cluster
 AUTO = "auto"  # an option's value that this machine decides, once the devices are known
-PS_DEVICES = (AUTO, "cpu", "gpu", "spread")  # spread: over the tower devices (tower mode)
+
+
+@dataclasses.dataclass(frozen=True)
+class PlacementRules:
+    """What a --ps_device is and allows: every rule that depends on where tower mode keeps its
+    variables, written once here. Its module in step/ holds the placement class (`placement`,
+    "module:Class" under tower_train.step), which step/modes.py builds by this name; the
+    devices and the benchmark read the rest. Adding a placement is its module, its row here,
+    and its tests."""
+
+    name: str
+    placement: str  # "module:Class" in tower_train.step: built with .of(param_device, tower_devices)
+    what: str  # where the variables live, in words (the benchmark's kind says it)
+    on_first_tower: bool = False  # the parameter device is the first tower's, else the host
+    spread: bool = False  # the trainable weights in slices over the tower devices
+    # Its towers read the weights from their own copy once per update only (no per_micro_step).
+    copies_per_update_only: bool = False
+    # Applies the compiled optimizer's own clipping, weight decay and average (UpdateRule).
+    optimizer_features: bool = True
+    sparse_steps: bool = True  # steps a table with its rows' occurrences (--sparse_steps)
+
+
+# The one registry of the placements, in --ps_device's order.
+PLACEMENTS = {rules.name: rules for rules in (
+    PlacementRules("cpu", "one_device:OneDevice", "variables on the host CPU /cpu:0 (the original's placement)"),
+    PlacementRules("gpu", "one_device:OneDevice",
+                   "variables on GPU 0 (without a GPU, on the first tower's device)", on_first_tower=True),
+    PlacementRules("spread", "spread:SpreadPlacement",
+                   "the weights, slots and averages in slices on the tower devices", spread=True,
+                   copies_per_update_only=True, optimizer_features=False, sparse_steps=False),
+)}
+PS_DEVICES = (AUTO, *PLACEMENTS)
 TOWER_WEIGHTS = ("per_update", "per_micro_step")  # how often tower mode's towers fetch the weights
 BN_STATISTICS = ("per_micro_step", "per_update")  # when BatchNormalization's moving statistics move
 OPTIMIZERS = ("sgd", "momentum", "adam")
@@ -259,17 +290,18 @@ class TrainConfig:
         if not (self.stop_grace_period > 0 and math.isfinite(self.stop_grace_period)):
             raise UsageError(f"--stop_grace_period={self.stop_grace_period}: must be seconds > 0")
         _one_of("ps_device", self.ps_device, PS_DEVICES)
-        if self.ps_device == "spread" and not self.mode_rules.places_towers:
-            raise UsageError(f"--ps_device=spread: only with --mode={HAND_PLACED_MODE} (a strategy places the "
-                             f"variables itself), not --mode={self.mode}")
+        placement = self.placement_rules
+        if placement is not None and placement.spread and not self.mode_rules.places_towers:
+            raise UsageError(f"--ps_device={self.ps_device}: only with --mode={HAND_PLACED_MODE} (a strategy "
+                             f"places the variables itself), not --mode={self.mode}")
         _one_of("tower_weights", self.tower_weights, TOWER_WEIGHTS)
         _one_of("bn_statistics", self.bn_statistics, BN_STATISTICS)
         if self.bn_statistics == "per_update" and self.recompute:
             raise UsageError("--bn_statistics=per_update with --recompute: a recomputed block "
                              "normalizes twice per pass; use --bn_statistics=per_micro_step")
-        if self.tower_weights != "per_update" and self.ps_device == "spread":
-            raise UsageError(f"--tower_weights={self.tower_weights}: --ps_device=spread sends each tower the "
-                             "weights once per update, from every slice's device; use per_update")
+        if self.tower_weights != "per_update" and placement is not None and placement.copies_per_update_only:
+            raise UsageError(f"--tower_weights={self.tower_weights}: --ps_device={self.ps_device} sends each "
+                             "tower the weights once per update, from every slice's device; use per_update")
         if self.tower_weights != "per_update" and not self.mode_rules.places_towers:
             raise UsageError(f"--tower_weights={self.tower_weights}: only with --mode={HAND_PLACED_MODE} (the "
                              f"strategies place the weights themselves), not --mode={self.mode}")
@@ -374,6 +406,11 @@ class TrainConfig:
     @property
     def mode_rules(self) -> ModeRules:
         return MODE_RULES[self.mode]
+
+    @property
+    def placement_rules(self) -> PlacementRules | None:
+        """--ps_device's rules; None while it is "auto" (the devices decide it: api/startup)."""
+        return PLACEMENTS.get(self.ps_device)
 
     @property
     def tower_shard_sizes(self) -> tuple[int, ...]:

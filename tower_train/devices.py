@@ -12,6 +12,7 @@ import shutil
 import subprocess
 from typing import ContextManager, Protocol, Sequence
 
+from tower_train.config import PLACEMENTS
 from tower_train.errors import UsageError
 
 HOST_DEVICE = "/cpu:0"  # where input pipelines run and, with --ps_device=cpu, the variables live
@@ -121,7 +122,7 @@ def plan_devices(
                    f"logical devices, host /cpu:0, towers on {device_span(towers)}")
     chosen, why = resolve_ps_device(ps_device, num_gpus, num_physical_gpus)
     return DevicePlan(towers, parameter_device(chosen, towers), split, num_logical, limit, setup,
-                      "spread" if chosen == "spread" else "parameter_device", chosen,
+                      "spread" if PLACEMENTS[chosen].spread else "parameter_device", chosen,
                       (f"--ps_device=auto chose {chosen}: {why}",) if why else ())
 
 
@@ -145,7 +146,7 @@ def parameter_device(ps_device: str, tower_devices: tuple[str, ...]) -> str:
     which is GPU 0 whenever the machine has a GPU (towers are /gpu:0.. then, split or not);
     "spread" the host too, for what is not spread (the counters, BN statistics and the
     checkpoint's copy of the state: `spread.SpreadPlacement`)."""
-    return tower_devices[0] if ps_device == "gpu" else HOST_DEVICE
+    return tower_devices[0] if PLACEMENTS[ps_device].on_first_tower else HOST_DEVICE
 
 
 def _check_gpu_split(num_gpus: int, limit_mb: int, gpu0_memory_mb: int | None, from_flag: bool) -> None:

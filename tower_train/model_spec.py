@@ -117,8 +117,9 @@ def _check_optimizer_features(optimizer: keras.optimizers.Optimizer, config: Tra
     --clip_norm or --ema_decay stands beside the optimizer's."""
     features = optimizer_features(optimizer)
     named = ", ".join(f"{name}={value}" for name, value in features.items())
-    if features and config.ps_device == "spread":
-        raise UsageError(f"optimizer={type(optimizer).__name__}({named}): --ps_device=spread steps "
+    placement = config.placement_rules  # None: "auto", which picks a placement that applies them
+    if features and placement is not None and not placement.optimizer_features:
+        raise UsageError(f"optimizer={type(optimizer).__name__}({named}): --ps_device={config.ps_device} steps "
                          "each device's slices with a copy of the optimizer that applies none of "
                          "these; use --ps_device=cpu or gpu (or --clip_norm, --ema_decay)")
     clipping = [name for name in ("clipnorm", "global_clipnorm", "clipvalue") if name in features]

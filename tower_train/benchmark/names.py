@@ -5,13 +5,18 @@ from __future__ import annotations
 import dataclasses
 import re
 
+from tower_train.config import PLACEMENTS
 from tower_train.errors import UsageError
 
+TOWER_KIND = "tower_ps"  # + a --ps_device: tower mode on that placement
+# Tower mode on each placement (`config.PLACEMENTS`), by its --ps_device.
+TOWER_KINDS = {f"{TOWER_KIND}{name}": f"tower mode, {rules.what}" for name, rules in PLACEMENTS.items()}
+# The placements whose towers may read the weights at every micro-step (_permicro).
+PER_MICRO_STEP_KINDS = tuple(f"{TOWER_KIND}{name}" for name, rules in PLACEMENTS.items()
+                             if not rules.copies_per_update_only)
 KINDS = {
     "plain": "one GradientTape step over all G examples on the parameter device: the reference",
-    "tower_pscpu": "tower mode, variables on the host CPU /cpu:0 (the original's placement)",
-    "tower_psgpu": "tower mode, variables on GPU 0 (without a GPU, on the first tower's device)",
-    "tower_psspread": "tower mode, the weights, slots and averages in slices on the tower devices",
+    **TOWER_KINDS,
     "mirrored": "MirroredStrategy over the same towers",
     "central_storage": "CentralStorageStrategy over the same towers and parameter device",
     "keras_fit": "Keras 3 model.fit on one device, optimizer.gradient_accumulation_steps = K",
@@ -20,7 +25,7 @@ MEASURES = ("time", "memory", "traffic", "ops", "keras")
 _NAME = re.compile(r"^(?P<kind>[a-z_]+?)_k(?P<accum>\d+)(?:_b(?P<batch>\d+))?(?:_s(?P<split>\d+(?:-\d+)+))?"
                    r"(?P<permicro>_permicro)?(?:_(?P<input>data|tfrecord|dataset))?$")
 NAME_FORM = "KIND_kK[_bB][_sA-B...][_permicro][_data|_tfrecord|_dataset]"
-MODE_KINDS = ("tower_pscpu", "tower_psgpu", "tower_psspread", "mirrored", "central_storage")  # run by a mode's inner step
+MODE_KINDS = (*TOWER_KINDS, "mirrored", "central_storage")  # run by a mode's inner step
 # One fixed batch; the source's pipeline; streamed files; a tf.data pipeline of the same arrays.
 INPUTS = ("memory", "data", "tfrecord", "dataset")
 
@@ -47,11 +52,11 @@ def parse_config_name(name: str, default_batch_size: int) -> BenchConfig:
                          f"{', '.join(KINDS)}, K >= 1 and B >= 1")
     batch = default_batch_size if match["batch"] is None else int(match["batch"])
     split = match["split"] and match["split"].replace("-", ",")
-    if split and not match["kind"].startswith("tower_ps"):
+    if split and match["kind"] not in TOWER_KINDS:
         raise UsageError(f"--configs: {name!r}: _sSHARES (--tower_split) is for the tower kinds only")
-    if match["permicro"] and match["kind"] not in ("tower_pscpu", "tower_psgpu"):
+    if match["permicro"] and match["kind"] not in PER_MICRO_STEP_KINDS:
         raise UsageError(f"--configs: {name!r}: _permicro (--tower_weights=per_micro_step) is for "
-                         "tower_pscpu and tower_psgpu only (tower_psspread sends the weights once per update)")
+                         f"{' and '.join(PER_MICRO_STEP_KINDS)} only")
     return BenchConfig(name, match["kind"], int(match["accum"]), batch, match["input"] or "memory", split,
                        bool(match["permicro"]))
 

@@ -8,7 +8,7 @@ import functools
 import time
 from typing import TYPE_CHECKING, Callable
 
-from tower_train.benchmark.names import MODE_KINDS, BenchConfig
+from tower_train.benchmark.names import MODE_KINDS, TOWER_KIND, TOWER_KINDS, BenchConfig
 from tower_train.config import HAND_PLACED_MODE, TrainConfig
 
 if TYPE_CHECKING:
@@ -54,8 +54,8 @@ def build_workload(bench: BenchConfig, config: TrainConfig, plan: DevicePlan,
     config = dataclasses.replace(config, batch_size=bench.batch_size, accum=bench.accum,
                                  tower_split=bench.tower_split,
                                  jit_compile=resolve_jit_compile(config, plan)[0])  # the baselines' too
-    if bench.kind.startswith("tower_ps"):  # the kind, not --ps_device, says where the variables live
-        ps_device = bench.kind.removeprefix("tower_ps")
+    if bench.kind in TOWER_KINDS:  # the kind, not --ps_device, says where the variables live
+        ps_device = bench.kind.removeprefix(TOWER_KIND)
         tower_weights = "per_micro_step" if bench.weights_per_micro_step else config.tower_weights
         config = dataclasses.replace(config, mode=HAND_PLACED_MODE, all_reduce="auto", ps_device=ps_device,
                                      tower_weights=tower_weights)

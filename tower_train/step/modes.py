@@ -16,12 +16,13 @@ included, is `config.MODE_RULES`, from which each class takes its `rules` by nam
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from typing import TYPE_CHECKING, ClassVar, ContextManager
 
 from absl import logging
 
 from tower_train.workers.cluster import SINGLE_PROCESS, WorkerInfo, server_start, strategy_resolver
-from tower_train.config import AUTO, DTYPES, MODE_RULES, ModeRules, TrainConfig
+from tower_train.config import AUTO, DTYPES, MODE_RULES, PLACEMENTS, ModeRules, TrainConfig
 from tower_train.devices import HOST_DEVICE, DevicePlan, Placement, StrategyPlacement, device_span, plan_devices
 from tower_train.errors import UsageError
 
@@ -155,13 +156,14 @@ class Mode:
         elsewhere they take the dense step, which one warning line says."""
         if not (self.config.sparse_steps and any(model.sparse_gradients)):
             return False
-        if self.rules.places_towers and self.config.ps_device != "spread":
+        if self.rules.places_towers and self.config.placement_rules.sparse_steps:
             return True
         where = f"--ps_device={self.config.ps_device}" if self.rules.places_towers else f"--mode={self.rules.name}"
         tables = [v.path for v, sparse in zip(model.trainable_variables, model.sparse_gradients) if sparse]
+        stepping = " or ".join(name for name, rules in PLACEMENTS.items() if rules.sparse_steps)
         logging.warning("--sparse_steps: %s steps %s with its dense gradient, not with its rows' "
                         "occurrences as Keras's fit does (sparse steps are --mode=tower's, with "
-                        "--ps_device=cpu or gpu)", where, ", ".join(tables))
+                        "--ps_device=%s)", where, ", ".join(tables), stepping)
         return False
 
     def pooled_moments(self, model) -> bool:
@@ -187,13 +189,10 @@ class TowerMode(Mode):
     rules = MODE_RULES["tower"]
 
     def _placement(self) -> Placement:
-        if self.config.ps_device == "spread":
-            from tower_train.step.spread import SpreadPlacement
-
-            return SpreadPlacement(self.plan.param_device, self.plan.tower_devices)
-        from tower_train.step.one_device import OneDevice
-
-        return OneDevice(self.plan.param_device)
+        """The class --ps_device's rules name (`config.PLACEMENTS`), in its step/ module."""
+        module, name = self.config.placement_rules.placement.split(":")
+        placement = getattr(importlib.import_module(f"tower_train.step.{module}"), name)
+        return placement.of(self.plan.param_device, self.plan.tower_devices)
 
     def inner_step(self, state, prepare=None) -> InnerStep:
         """Also: tower mode's weights fetched as --tower_weights says and its gradient sums sent

@@ -20,6 +20,10 @@ class OneDevice:
 
     device: str
 
+    @classmethod
+    def of(cls, param_device: str, tower_devices: Sequence[str]) -> OneDevice:
+        return cls(param_device)
+
     def scope(self) -> ContextManager:
         return tf.device(self.device)
 

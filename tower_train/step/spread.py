@@ -95,6 +95,10 @@ class SpreadPlacement:
     host: str
     tower_devices: tuple[str, ...]
 
+    @classmethod
+    def of(cls, param_device: str, tower_devices: Sequence[str]) -> SpreadPlacement:
+        return cls(param_device, tuple(tower_devices))
+
     def scope(self) -> ContextManager:
         return tf.device(self.host)
 

@@ -83,6 +83,11 @@ class TowerLayout(Protocol):
 class TowerPlacement(Placement, Protocol):
     """A placement tower mode runs: it builds its layout."""
 
+    @classmethod
+    def of(cls, param_device: str, tower_devices: Sequence[str]) -> TowerPlacement:
+        """The placement of a plan's parameter device and towers (step/modes.py builds it so,
+        by the name `config.PLACEMENTS` gives)."""
+
     def tower_layout(self, setup: TowerSetup) -> TowerLayout:
         """The layout of a `TowerStep` over `setup`, its variables placed by this placement."""
 
