@@ -23,7 +23,7 @@ from tower_train.data import catalog
 from tower_train.data import image_sets
 from tower_train.training.run_record import TrainDirLock
 from tower_train.errors import UsageError
-from tower_train.training.held_out import check_metrics, evaluate, make_metrics, shard_bounds, shard_pass
+from tower_train.training.evaluation.held_out import check_metrics, evaluate, make_metrics, shard_bounds, shard_pass
 from test_cli_errors import ROOT, run_cli
 
 TOWERS = ("/cpu:1", "/cpu:2", "/cpu:3")  # conftest made /cpu:0..8
@@ -116,7 +116,7 @@ def test_evaluate_counts_every_example_once_over_three_towers(batch_size):
 def test_a_models_later_evaluations_reuse_its_traced_pass(monkeypatch):
     """Tracing the pass (and, on a GPU, its first convolutions) takes seconds: only a model's first
     evaluation on a set of devices pays it, whatever the number of evaluations."""
-    from tower_train.training import held_out as evaluation_module
+    from tower_train.training.evaluation import held_out as evaluation_module
 
     traced = []
     shard_pass_of = evaluation_module.shard_pass
@@ -239,7 +239,7 @@ def test_check_metrics_makes_no_metric_so_fit_can_still_split_the_devices(tmp_pa
     script = tmp_path / "check_then_split.py"
     script.write_text(
         "import tensorflow as tf\n"
-        "from tower_train.training.held_out import check_metrics\n"
+        "from tower_train.training.evaluation.held_out import check_metrics\n"
         "checked = check_metrics(['sparse_top_k_categorical_accuracy', 'mse'])\n"
         "assert checked == ['sparse_top_k_categorical_accuracy', 'mse'], checked\n"
         "cpu = tf.config.list_physical_devices('CPU')[0]\n"
@@ -427,7 +427,7 @@ def test_bad_input_is_one_line_and_writes_nothing(runs, name, expected):
 
 def test_a_damaged_data_file_or_another_network_is_refused_in_one_line(runs):
     """The checks after the cheap ones, called in this process."""
-    from tower_train.training import eval_checkpoint
+    from tower_train.training.evaluation import checkpoint as eval_checkpoint
 
     train_dir, _ = runs
     copy = train_dir.parent / "damaged"

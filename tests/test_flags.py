@@ -13,7 +13,8 @@ from absl import flags
 
 from tower_train import flags as tt_flags
 from tower_train.benchmark.names import MEASURES
-from tower_train.config import AUTO, AUTO_OR_BOOL, TrainConfig
+from tower_train.config import AUTO_OR_BOOL, TrainConfig
+from tower_train.rules import AUTO
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIELDS = dataclasses.fields(TrainConfig)

@@ -1,4 +1,4 @@
-"""tower_train/keras_data.py directly: `split_data` holds out the last fraction Keras's fit holds
+"""tower_train/keras/data.py directly: `split_data` holds out the last fraction Keras's fit holds
 out (Keras's own `train_validation_split`), `class_weights` gives each example its class's weight
 as Keras's own conversion does, and `read_dataset` reads a batched `tf.data.Dataset` into the
 arrays it was made of; bad arguments, one UsageError line each."""
@@ -10,7 +10,7 @@ from keras.src.trainers.data_adapters.array_slicing import train_validation_spli
 from keras.src.trainers.data_adapters.data_adapter_utils import class_weight_to_sample_weights
 
 from tower_train.errors import UsageError
-from tower_train.keras_data import class_weights, read_dataset, split_data
+from tower_train.keras.data import class_weights, read_dataset, split_data
 
 EXAMPLES = 10  # 0.25 of it is 2.5: the cut's rounding shows
 

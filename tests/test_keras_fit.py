@@ -1,4 +1,4 @@
-"""`tower_train.keras.fit` (tower_train/keras.py): Keras's `Model.fit` arguments on towers. The
+"""`tower_train.keras.fit` (tower_train/keras/model_fit.py): Keras's `Model.fit` arguments on towers. The
 trained weights equal Keras's own `fit` at batch_size x accum from the same initial weights; the
 History, the callbacks' epochs and batches and the learning rate they set; what the model is
 afterwards; bad arguments, one UsageError line each."""

@@ -1,4 +1,4 @@
-"""tower_train/keras_loss.py directly: `CompiledLoss`'s per-example loss, averaged over the batch,
+"""tower_train/keras/compiled_loss.py directly: `CompiledLoss`'s per-example loss, averaged over the batch,
 is Keras's own `model.compute_loss` on the same batch (one loss, the "crossentropy" alias, a loss
 per output with loss_weights, an output without a loss), and each example's value is the numpy
 crossentropy times its sample weight; bad loss and loss_weights names, one UsageError line each."""
@@ -9,8 +9,8 @@ import tensorflow as tf
 
 from test_keras_fit import binary, softmax, two_outputs
 from tower_train.errors import UsageError
-from tower_train.keras_loss import CompiledLoss
-from tower_train.keras_model import pack_outputs
+from tower_train.keras.compiled_loss import CompiledLoss
+from tower_train.user_keras_model import pack_outputs
 
 EXAMPLES = 12
 

@@ -1,4 +1,4 @@
-"""A plain Keras model and loss through `tower_train.fit` (tower_train/keras_model.py): the trained
+"""A plain Keras model and loss through `tower_train.fit` (tower_train/user_keras_model.py): the trained
 weights equal Keras's own `fit` on one batch of G per update, in every layout; data=(x, y); what
 `TrainResult` hands back; and bad input, one UsageError line with nothing written."""
 import keras
@@ -8,7 +8,7 @@ import tensorflow as tf
 
 import tower_train
 import tower_train.keras
-from tower_train import keras_model
+from tower_train import user_keras_model
 from keras_reference import (CLASSES, EXAMPLES, FEATURES, G, LR, SGD_OPTIONS, UPDATES, arrays, assert_same_weights, functional,
                              keras_fit, sequential, with_weights)
 
@@ -248,25 +248,25 @@ def test_each_kind_of_loss_becomes_one_loss_per_label_and_the_users_loss_object_
     cross_entropy = -log_softmax[np.arange(3), labels]
 
     users = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    loss, label = keras_model.per_label_loss(users)
+    loss, label = user_keras_model.per_label_loss(users)
     assert label == "loss=SparseCategoricalCrossentropy"
     np.testing.assert_allclose(loss(labels, logits), cross_entropy, rtol=1e-6)
     assert users.reduction == "sum_over_batch_size"
     assert float(users(labels, logits)) == pytest.approx(cross_entropy.mean(), rel=1e-6)
     # A name is Keras's function of that name: here of probabilities.
-    loss, label = keras_model.per_label_loss("sparse_categorical_crossentropy")
+    loss, label = user_keras_model.per_label_loss("sparse_categorical_crossentropy")
     assert label == "loss=sparse_categorical_crossentropy"
     np.testing.assert_allclose(loss(labels, np.exp(log_softmax)), cross_entropy, rtol=1e-5)
-    assert keras_model.per_label_loss(per_label_cross_entropy) == (
+    assert user_keras_model.per_label_loss(per_label_cross_entropy) == (
         per_label_cross_entropy, "loss=test_keras_models.per_label_cross_entropy")
     with pytest.raises(tower_train.UsageError) as error:
-        keras_model.per_label_loss(3)
+        user_keras_model.per_label_loss(3)
     assert str(error.value) == ("loss=3: expected a Keras loss name, a keras.losses.Loss, or a "
                                 "callable (labels, outputs) -> one loss per label")
 
     # The wrapper computes the network's outputs and takes float16 ones to the loss in float32.
     network = with_weights(sequential, [np.full(w.shape, 0.1, np.float32) for w in sequential().get_weights()])
-    wrapped = keras_model.KerasModel(network, *keras_model.per_label_loss(users))
+    wrapped = user_keras_model.KerasModel(network, *user_keras_model.per_label_loss(users))
     x, _ = arrays()
     np.testing.assert_array_equal(wrapped(x[:4]), network(x[:4]))
     losses = wrapped.per_example_loss(labels, tf.constant(logits, tf.float16))

@@ -1,4 +1,4 @@
-"""The temporary train_dir of `tower_train.keras.fit` (tower_train/keras_temp_dir.py): a SIGKILLed
+"""The temporary train_dir of `tower_train.keras.fit` (tower_train/keras/temp_dir.py): a SIGKILLed
 owner's directory is removed at the next start; a live owner's, another user's or host's, a link
 and anything not provably made by it are left alone."""
 import os
@@ -10,10 +10,9 @@ import tempfile
 
 import keras
 import numpy as np
-import pytest
 
 import tower_train.keras
-from tower_train import keras_temp_dir
+from tower_train.keras import temp_dir
 
 PREFIX = "tower_train_keras_"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -21,8 +20,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Makes a directory in argv[1], says its path, then waits for its stdin to close.
 OWNER = """
 import sys
-from tower_train import keras_temp_dir
-print(keras_temp_dir.make("tower_train_keras_", sys.argv[1]), flush=True)
+from tower_train.keras import temp_dir
+print(temp_dir.make("tower_train_keras_", sys.argv[1]), flush=True)
 sys.stdin.read()
 """
 
@@ -33,7 +32,7 @@ def planted(parent, name: str, owner: str | None) -> str:
     path = os.path.join(parent, name)
     os.mkdir(path)
     if owner is not None:
-        with open(os.path.join(path, keras_temp_dir.OWNER), "w") as f:
+        with open(os.path.join(path, temp_dir.OWNER), "w") as f:
             f.write(owner)
     return path
 
@@ -47,19 +46,19 @@ def test_a_sigkilled_owners_directory_is_removed_at_the_next_start_and_a_live_on
         assert line, f"the child ended first (exit {child.wait(timeout=60)})"
         theirs = line.strip()
         assert os.path.isdir(theirs) and os.path.basename(theirs).startswith(PREFIX)
-        with open(os.path.join(theirs, keras_temp_dir.OWNER)) as f:
+        with open(os.path.join(theirs, temp_dir.OWNER)) as f:
             assert f.read() == f"PID {child.pid} on host {socket.gethostname()}\n"
 
-        mine = keras_temp_dir.make(PREFIX, str(tmp_path))
+        mine = temp_dir.make(PREFIX, str(tmp_path))
         assert os.path.isdir(theirs)  # its owner is alive
-        keras_temp_dir.make(PREFIX, str(tmp_path))
+        temp_dir.make(PREFIX, str(tmp_path))
         assert os.path.isdir(mine)  # so is this process, the owner of the first
 
         child.send_signal(signal.SIGKILL)
         assert child.wait(timeout=60) == -signal.SIGKILL
         assert os.path.isdir(theirs)  # nothing removes it until the next start
-        keras_temp_dir.remove(mine)
-        last = keras_temp_dir.make(PREFIX, str(tmp_path))
+        temp_dir.remove(mine)
+        last = temp_dir.make(PREFIX, str(tmp_path))
         assert not os.path.exists(theirs)
         assert len(os.listdir(tmp_path)) == 2 and os.path.isdir(last)
     finally:
@@ -79,18 +78,18 @@ def test_what_is_not_provably_a_dead_owners_directory_is_left_alone(tmp_path):
     os.symlink(target, tmp_path / (PREFIX + "link"))
     # An owner file that is a link is not read through.
     linked_owner = planted(tmp_path, PREFIX + "linked_owner", None)
-    os.symlink(os.path.join(target, keras_temp_dir.OWNER), os.path.join(linked_owner, "owner"))
+    os.symlink(os.path.join(target, temp_dir.OWNER), os.path.join(linked_owner, "owner"))
     kept += [target, linked_owner]
     if os.geteuid() == 0:
         others = planted(tmp_path, PREFIX + "another_users", here)
         os.chown(others, 12345, 12345)
         kept.append(others)
 
-    made = keras_temp_dir.make(PREFIX, str(tmp_path))
+    made = temp_dir.make(PREFIX, str(tmp_path))
     assert not os.path.exists(dead)
     assert all(os.path.isdir(path) for path in kept)
     assert os.path.islink(tmp_path / (PREFIX + "link"))
-    keras_temp_dir.remove(made)
+    temp_dir.remove(made)
     assert not os.path.exists(made)
 
 

@@ -14,7 +14,8 @@ import time
 import numpy as np
 import pytest
 
-from tower_train.launch import gpus_of_worker, how_it_ended
+from tower_train.launch import gpus_of_worker
+from tower_train.workers.worker_exit import how_it_ended
 from tower_train.training.run_record import TrainDirLock
 from helpers import read_until
 from test_cli_errors import ROOT

@@ -12,7 +12,8 @@ import pytest
 import tensorflow as tf
 
 from tower_train.workers.cluster import WorkerInfo, parse_tf_config
-from tower_train.config import MODE_RULES, TrainConfig
+from tower_train.config import TrainConfig
+from tower_train.rules import MODE_RULES
 from tower_train.devices import canonical_device, plan_devices
 from tower_train.errors import UsageError
 from tower_train.step.device_feed import shard_specs

@@ -512,7 +512,7 @@ def test_a_file_damaged_after_the_check_fails_the_update_reading_it_in_one_line(
 
 
 def test_a_held_out_file_corrupted_after_the_check_fails_the_evaluation_in_one_line(tmp_path, files):
-    from tower_train.training.held_out import evaluate
+    from tower_train.training.evaluation.held_out import evaluate
 
     train, evaluation = copy_split(tmp_path, files)
     source = make_source(files, train_files=train, eval_files=evaluation)

@@ -176,7 +176,7 @@ def test_an_update_whose_weights_are_all_zero_is_refused_and_changes_nothing(mod
 
 
 def test_held_out_precision_counts_weighted_tokens():
-    from tower_train.training.held_out import check_metrics, evaluate, make_metrics
+    from tower_train.training.evaluation.held_out import check_metrics, evaluate, make_metrics
 
     tokens = np.array([[1, 2, 3], [4, 5, 6]])
     labels = np.array([[1, 2, 0], [4, 0, 0]])

@@ -140,7 +140,7 @@ def fit(model: object = None, data: object = None, *, num_classes: int | None = 
 
         callbacks = check_callbacks(callbacks)
     if metrics is not None:
-        from tower_train.training.held_out import check_metrics
+        from tower_train.training.evaluation.held_out import check_metrics
 
         metrics = check_metrics(metrics)
     shown = log_shown() if show_progress else contextlib.nullcontext()
@@ -189,7 +189,7 @@ def _train(run: startup.Started, callbacks: list, metrics: list, stop,
     import tensorflow as tf
 
     from tower_train.training import controller
-    from tower_train.training.held_out import make_metrics
+    from tower_train.training.evaluation.held_out import make_metrics
 
     with watchdog.local_work():
         metrics = make_metrics(metrics)

@@ -10,7 +10,7 @@ It takes the training flags (--model, --model_module, --dataset, --data_module,
 --[no]use_ema.
 The CPU (or GPU 0) is split into logical devices exactly as for training, and
 every held-out example is counted once, spread over the --num_gpus towers
-(`tower_train.training.held_out`). The result is one line on stdout:
+(`tower_train.training.evaluation.held_out`). The result is one line on stdout:
 
     precision @ 1 = 0.2650, loss = 3.1382 (2000 examples)   # flags/quick.flags' 20 updates
 
@@ -32,7 +32,7 @@ from tower_train import startup
 from tower_train.cli import command, load_tensorflow, parse_config
 
 if TYPE_CHECKING:  # TensorFlow loads only once the flags are checked
-    from tower_train.training.held_out import Evaluation
+    from tower_train.training.evaluation.held_out import Evaluation
 
 EVAL_FLAGS = tt_flags.define_eval_flags()
 
@@ -66,17 +66,17 @@ def evaluate_checkpoint(model: object = None, data: object = None, *, checkpoint
     from absl import logging
 
     from tower_train.training import checkpoints
-    from tower_train.training import eval_checkpoint
+    from tower_train.training.evaluation import checkpoint as eval_checkpoint
 
     if metrics is not None:
-        from tower_train.training.held_out import check_metrics
+        from tower_train.training.evaluation.held_out import check_metrics
 
         metrics = check_metrics(metrics)
     with startup.start(startup.EVALUATE, options, model, data, eval_data=eval_data,
                        num_classes=num_classes, loss=loss, checkpoint=checkpoint) as run:
         import tensorflow as tf
 
-        from tower_train.training import held_out
+        from tower_train.training.evaluation import held_out
         from tower_train.model_spec import build_model, use_moving_average
         from tower_train.step.schedules import MovingAverage
 

@@ -13,7 +13,9 @@ import typing
 
 from absl import flags
 
-from tower_train.config import AUTO, AUTO_OR_BOOL, ONE_PROCESS_MODES, WORKERS_MODE, TrainConfig, option_type
+from tower_train.config import AUTO_OR_BOOL, TrainConfig, option_type
+
+from tower_train.rules import AUTO, ONE_PROCESS_MODES, WORKERS_MODE
 
 
 class _AutoOrBoolParser(flags.BooleanParser):

@@ -47,8 +47,11 @@ from absl import flags
 from tower_train import cli
 from tower_train.training.stop_signals import stop_signals
 from tower_train.workers import cluster, peer_watchdog
+from tower_train.workers.worker_exit import (describe_status, how_it_ended, shell_status, stopped_by_the_stop_rule,
+                                             suspending_signal)
 from tower_train import flags as tt_flags
-from tower_train.config import WORKERS_MODE, TrainConfig
+from tower_train.config import TrainConfig
+from tower_train.rules import WORKERS_MODE
 from tower_train.errors import UsageError
 
 PROG = "tower_train.launch"
@@ -69,7 +72,6 @@ _PROGRESS_LINE = re.compile(rb"\[worker \d+/\d+\] step \d+, loss = ")
 # The trainer's last line of a run that finished; a worker's exit 0 without it came early.
 _DONE_LINE = re.compile(rb"\[worker \d+/\d+\] done: step \d+")
 # Every signal a worker may have stopped on: SIGHUP too, sent to a worker itself.
-_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 _PARENT_DEATH_SIGNAL = signal.SIGUSR1
 
@@ -178,53 +180,6 @@ def _stop_when_the_launcher_dies(launcher: int) -> Callable[[], None] | None:
             os.kill(os.getpid(), _PARENT_DEATH_SIGNAL)
 
     return stop_with_the_parent
-
-
-def _shell_status(returncode: int) -> int:
-    return 128 - returncode if returncode < 0 else returncode
-
-
-def _describe(status: int) -> str:
-    if status > 128 and status - 128 in signal.valid_signals():
-        return f"{status} ({signal.Signals(status - 128).name})"
-    return str(status)
-
-
-def how_it_ended(returncode: int, finished: bool, suspended_by: int | None = None) -> str:
-    """A worker's end in words, from its `Popen.returncode` (negative: killed by that signal),
-    whether it logged its `done:` line, and the signal that had suspended it, if any."""
-    status = _shell_status(returncode)
-    if returncode < 0:
-        how = f"killed by {signal.Signals(-returncode).name} (exit status {status})"
-    elif returncode == 0:
-        how = ("finished (exit status 0)" if finished
-               else "exited with status 0 before finishing (no `done:` line)")
-    elif returncode == 2:
-        how = "refused its input (exit status 2, its line above)"
-    elif _stopped_by_the_stop_rule(returncode):  # its own signal's number, or SIGTERM's for a peer's
-        how = f"stopped on a stop signal (exit status {status})"
-    else:
-        how = f"failed (exit status {status})"
-    if suspended_by is not None:
-        how = f"suspended by {signal.Signals(suspended_by).name}, then {how}"
-    return how
-
-
-def _stopped_by_the_stop_rule(returncode: int) -> bool:
-    """Whether a worker exited as the stop rule ends a run: 128 + the stop signal's number."""
-    return returncode - 128 in _STOP_SIGNALS
-
-
-def _suspending_signal(pid: int) -> int | None:
-    """The signal that holds child `pid` suspended now (SIGSTOP, SIGTSTP, ...), or None; Popen
-    still collects its exit (WNOWAIT)."""
-    if not hasattr(os, "waitid"):  # macOS: suspended workers are not told apart
-        return None
-    try:
-        info = os.waitid(os.P_PID, pid, os.WSTOPPED | os.WNOHANG | os.WNOWAIT)
-    except ChildProcessError:  # collected already
-        return None
-    return info.si_status if info is not None and info.si_code == os.CLD_STOPPED else None
 
 
 class _WorkerGroup:
@@ -368,7 +323,7 @@ class _WorkerGroup:
         wait on it, and their failure is then its doing. The suspension is kept with the time it was
         last seen, not forgotten when the worker is seen running: a suspended worker that is killed
         is, for an instant, neither suspended nor ended."""
-        suspended_by = _suspending_signal(self._processes[index].pid)
+        suspended_by = suspending_signal(self._processes[index].pid)
         if suspended_by is not None:
             if not self._suspended_now[index]:
                 self._say(f"{self._name(index)} is suspended by {signal.Signals(suspended_by).name}: "
@@ -409,15 +364,15 @@ class _WorkerGroup:
 
     def _result(self, returncodes: list[int], first_end: str | None, killed_after_failure: list[int],
                 killed_at_once: bool, forwarded: list[int]) -> LaunchResult:
-        statuses = [_shell_status(r) for r in returncodes]
+        statuses = [shell_status(r) for r in returncodes]
         counted = [s for i, s in enumerate(statuses) if i not in killed_after_failure]
-        listing = ", ".join(_describe(s) for s in statuses)
+        listing = ", ".join(describe_status(s) for s in statuses)
         if forwarded:
             summary = (f"{signal.Signals(forwarded[0]).name} passed to the workers; their exit "
                        f"statuses: {listing}")
         elif first_end is None:
             summary = f"all {self._count} workers finished; exit statuses: {listing}"
-        elif all(_stopped_by_the_stop_rule(r) for r in returncodes):
+        elif all(stopped_by_the_stop_rule(r) for r in returncodes):
             summary = (f"all {self._count} workers stopped on a stop signal (their lines say which, "
                        f"and after which update); exit statuses: {listing}")
         else:

@@ -3,7 +3,7 @@
 A run names its network as a registered name (``--model``: a `TowerModel`
 subclass, or a function returning a `keras.Model`, registered with its loss), a
 `TowerModel` subclass, or a zero-argument callable that returns one; or, with a
-loss, any other `keras.Model` instance or a callable that returns one (`keras_model.py`
+loss, any other `keras.Model` instance or a callable that returns one (`user_keras_model.py`
 wraps it in a TowerModel). `resolve_model` turns any of them into a `ModelSpec`,
 and `build_model` makes the network from it for training, evaluation and export
 alike, with the run's dtype policy and options (``--sync_bn``, ``--recompute``),
@@ -20,10 +20,12 @@ import keras
 import tensorflow as tf
 from absl import logging
 
-from tower_train.config import MODE_RULES, ONE_PROCESS_MODES, OPTIMIZERS, TrainConfig
+from tower_train.config import OPTIMIZERS, TrainConfig
+
+from tower_train.rules import MODE_RULES, ONE_PROCESS_MODES
 from tower_train.data.source import Source, describe_nest
 from tower_train.errors import UsageError
-from tower_train.keras_model import (KerasModel, PerLabelLoss, check_labels, check_network,
+from tower_train.user_keras_model import (KerasModel, PerLabelLoss, check_labels, check_network,
                                      clone_instance, hand_back_instance, per_label_loss)
 from tower_train.models import TowerModel, model_class, registered_loss
 from tower_train.user_code import UserCodeError, call_user_code
@@ -140,7 +142,7 @@ def _resolve_model(model: object, config: TrainConfig, num_classes: int | None,
     a zero-argument callable, such as a keras.Model subclass) as a ModelSpec. A registered name
     is made with `num_classes`, else the source's number of classes; a class with `num_classes`
     only when given. The options --sync_bn and --recompute reach a class as constructor
-    arguments. `loss` (see `keras_model.per_label_loss`) is required for a keras.Model that is
+    arguments. `loss` (see `user_keras_model.per_label_loss`) is required for a keras.Model that is
     no TowerModel, and refused for a TowerModel, which owns its loss.
 
     Raises:

@@ -24,7 +24,9 @@ import dataclasses
 import sys
 from typing import TYPE_CHECKING, Iterator
 
-from tower_train.config import HAND_PLACED_MODE, TrainConfig, check_directories
+from tower_train.config import TrainConfig, check_directories
+
+from tower_train.rules import HAND_PLACED_MODE
 from tower_train.errors import UsageError
 from tower_train.workers import cluster, peer_watchdog
 
@@ -91,14 +93,14 @@ def start(command: Command, options: dict, model: object = None, data: object = 
 
     `options`, `model`, `data`, `eval_data`, `shuffle`, `num_classes`, `loss` and `optimizer`
     (an object, see `api.optimizer_object`) are `tower_train.fit`'s; `checkpoint` evaluation's
-    (`training/eval_checkpoint.check_named_checkpoint`). `watchdog` is told of progress and local
+    (`training/evaluation/checkpoint.check_named_checkpoint`). `watchdog` is told of progress and local
     work (fit's, multi-worker). `announce` logs the device line once the devices are made.
     """
     config, model, data = config_and_objects(model, data, dict(options), command.name)
     if command.writes:
         check_directories(config)
     if command.reads_checkpoint:
-        from tower_train.training.eval_checkpoint import check_named_checkpoint
+        from tower_train.training.evaluation.checkpoint import check_named_checkpoint
 
         # A model given as an object has no name yet to compare with the run record's.
         check_named_checkpoint(checkpoint, config.train_dir, config.model if model is None else None)

@@ -5,11 +5,11 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from tower_train.config import PLACEMENTS
+from tower_train.rules import PLACEMENTS
 from tower_train.errors import UsageError
 
 TOWER_KIND = "tower_ps"  # + a --ps_device: tower mode on that placement
-# Tower mode on each placement (`config.PLACEMENTS`), by its --ps_device.
+# Tower mode on each placement (`rules.PLACEMENTS`), by its --ps_device.
 TOWER_KINDS = {f"{TOWER_KIND}{name}": f"tower mode, {rules.what}" for name, rules in PLACEMENTS.items()}
 # The placements whose towers may read the weights at every micro-step (_permicro).
 PER_MICRO_STEP_KINDS = tuple(f"{TOWER_KIND}{name}" for name, rules in PLACEMENTS.items()

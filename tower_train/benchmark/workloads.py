@@ -9,7 +9,8 @@ import time
 from typing import TYPE_CHECKING, Callable
 
 from tower_train.benchmark.names import MODE_KINDS, TOWER_KIND, TOWER_KINDS, BenchConfig
-from tower_train.config import HAND_PLACED_MODE, TrainConfig
+from tower_train.config import TrainConfig
+from tower_train.rules import HAND_PLACED_MODE
 
 if TYPE_CHECKING:
     from tower_train.data.source import Source

@@ -1,5 +1,5 @@
 """The training modes, one `Mode` subclass per --mode: which strategy (if any) holds the
-variables, where they live (a `devices.Placement`) and which inner step runs the updates.
+variables, where they live (a `placement.Placement`) and which inner step runs the updates.
 
 - `TowerMode` (`tower`): the classic pattern, no strategy: variables on the parameter
   device, towers placed by hand (`tower_step.TowerStep`).
@@ -11,7 +11,7 @@ variables, where they live (a `devices.Placement`) and which inner step runs the
 
 All four apply the same update: the gradient of the weighted mean loss over the G examples
 (`strategy_step` for the three strategies). What each is and allows, its default reduction
-included, is `config.MODE_RULES`, from which each class takes its `rules` by name.
+included, is `rules.MODE_RULES`, from which each class takes its `rules` by name.
 """
 from __future__ import annotations
 
@@ -22,8 +22,10 @@ from typing import TYPE_CHECKING, ClassVar, ContextManager
 from absl import logging
 
 from tower_train.workers.cluster import SINGLE_PROCESS, WorkerInfo, server_start, strategy_resolver
-from tower_train.config import AUTO, DTYPES, MODE_RULES, PLACEMENTS, ModeRules, TrainConfig
-from tower_train.devices import HOST_DEVICE, DevicePlan, Placement, StrategyPlacement, device_span, plan_devices
+from tower_train.config import DTYPES, TrainConfig
+from tower_train.rules import AUTO, MODE_RULES, PLACEMENTS, ModeRules
+from tower_train.devices import HOST_DEVICE, DevicePlan, device_span, plan_devices
+from tower_train.step.placement import Placement, StrategyPlacement
 from tower_train.errors import UsageError
 
 if TYPE_CHECKING:
@@ -100,7 +102,7 @@ def resolve_jit_compile(config: TrainConfig, plan: DevicePlan, model: object = N
 class Mode:
     """How a run places its variables and runs its updates: one subclass per --mode, which owns
     its strategy (none in tower mode) and its inner step. What each mode is and allows is its
-    `rules`, `config.MODE_RULES[name]`, which the options' checks read before TensorFlow loads."""
+    `rules`, `rules.MODE_RULES[name]`, which the options' checks read before TensorFlow loads."""
 
     rules: ClassVar[ModeRules]
 
@@ -189,7 +191,7 @@ class TowerMode(Mode):
     rules = MODE_RULES["tower"]
 
     def _placement(self) -> Placement:
-        """The class --ps_device's rules name (`config.PLACEMENTS`), in its step/ module."""
+        """The class --ps_device's rules name (`rules.PLACEMENTS`), in its step/ module."""
         module, name = self.config.placement_rules.placement.split(":")
         placement = getattr(importlib.import_module(f"tower_train.step.{module}"), name)
         return placement.of(self.plan.param_device, self.plan.tower_devices)

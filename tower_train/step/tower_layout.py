@@ -12,7 +12,7 @@ from typing import Callable, Mapping, Protocol, Sequence
 
 import tensorflow as tf
 
-from tower_train.devices import Placement
+from tower_train.step.placement import Placement
 from tower_train.step.update_rule import UpdateRule
 
 
@@ -86,7 +86,7 @@ class TowerPlacement(Placement, Protocol):
     @classmethod
     def of(cls, param_device: str, tower_devices: Sequence[str]) -> TowerPlacement:
         """The placement of a plan's parameter device and towers (step/modes.py builds it so,
-        by the name `config.PLACEMENTS` gives)."""
+        by the name `rules.PLACEMENTS` gives)."""
 
     def tower_layout(self, setup: TowerSetup) -> TowerLayout:
         """The layout of a `TowerStep` over `setup`, its variables placed by this placement."""

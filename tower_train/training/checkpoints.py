@@ -6,7 +6,7 @@ Restoring takes the newest
 checkpoint that reads back whole, found from the checkpoint files themselves: the
 index file `checkpoint` may be lost or damaged without losing a checkpoint, and no
 checkpoint file is ever overwritten. Evaluation finds and restores its checkpoint with
-`eval_checkpoint`, from the same files.
+`evaluation.checkpoint`, from the same files.
 """
 from __future__ import annotations
 

@@ -28,7 +28,7 @@ from tower_train.workers.cluster import WorkerInfo
 from tower_train.config import TrainConfig
 from tower_train.data.source import RUN_OP_ERRORS, Source
 from tower_train.errors import Stopped, TrainingError, UsageError, op_error_text, traced_message
-from tower_train.training.held_out import EvaluationHook, check_metrics_against, evaluate
+from tower_train.training.evaluation.held_out import EvaluationHook, check_metrics_against, evaluate
 from tower_train.export import export_saved_model
 from tower_train.training.hooks import Hook, UpdateEvent
 from tower_train.step.inner_step import Decision, InnerStep, Shards, UpdateResult
@@ -51,7 +51,7 @@ class TrainResult:
     step: int  # updates applied, counting from 0 across resumes
     loss: float | None  # of the last update; None when there was nothing left to train
     eval_precision: float | None  # weighted top-1 on the held-out data; None without any
-    # Its weighted loss, the regularization once and the batch losses' mean (held_out.py);
+    # Its weighted loss, the regularization once and the batch losses' mean (evaluation/held_out.py);
     # None without any.
     eval_loss: float | None
     eval_examples: int  # held-out examples counted
@@ -304,7 +304,7 @@ def train(config: TrainConfig, spec: ModelSpec, source: Source, mode: Mode,
     summaries land in train_dir. When `stop` has received a signal, the run saves at the end
     of the current update and raises Stopped. `live_progress` draws a live progress line
     (a terminal) instead of log lines. `callbacks`: the user's Keras callbacks (keras_callbacks.py).
-    `metrics`: Keras metrics computed at every held-out evaluation (held_out.py).
+    `metrics`: Keras metrics computed at every held-out evaluation (evaluation/held_out.py).
     `initial_step`: where a run that finds no checkpoint starts, as if it had trained that many
     updates: its step count, its place in the data stream and its seeds continue from there,
     as an uninterrupted run's would (`tower_train.keras.fit`'s initial_epoch).

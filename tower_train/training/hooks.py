@@ -4,10 +4,10 @@ In order, every hook hears: `train_begin()`; for each update `update_begin(step)
 computed (`step`: the number it gets once applied) and `after_update(event)` once it is applied;
 `after_evaluation(step, held_out)` after each held-out evaluation, whose values (by their Keras
 names: val_precision, val_loss, val_<metric>) come from the hook that evaluated
-(`held_out.EvaluationHook`, whose `after_update` returns them) or from training's final
+(`evaluation.held_out.EvaluationHook`, whose `after_update` returns them) or from training's final
 evaluation; and `train_end()` last. `close()` comes when the loop ends, before training's final
 evaluation (`controller.train` calls it). The hooks are `progress.Progress` (log, TensorBoard,
-`TrainResult.history`), `held_out.EvaluationHook` and `keras_callbacks.KerasCallbacks` (the user's
+`TrainResult.history`), `evaluation.held_out.EvaluationHook` and `keras_callbacks.KerasCallbacks` (the user's
 Keras callbacks, the one hook that runs the user's code and may stop the run).
 """
 from __future__ import annotations

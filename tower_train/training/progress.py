@@ -20,7 +20,7 @@ training goes on: the checkpoints, which a resume needs, report their own failur
 earlier updates are in TensorBoard). "step", "loss" and "learning_rate" at the
 same updates as TensorBoard's points; "val_step", "val_precision" (weighted
 precision @ 1), "val_loss" and "val_<name>" of each of fit's `metrics` at every
-held-out evaluation that counted an example (held_out.py).
+held-out evaluation that counted an example (evaluation/held_out.py).
 """
 from __future__ import annotations
 

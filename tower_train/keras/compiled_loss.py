@@ -1,11 +1,11 @@
 """The loss `model.compile()` gave, as the per-example loss of `tower_train.fit`, for
-`tower_train.keras.fit` (keras.py): one loss for one output, or a loss per output (a dict by
+`tower_train.keras.fit` (keras/model_fit.py): one loss for one output, or a loss per output (a dict by
 output name, or a list in the outputs' order) with `loss_weights`; or the model's own
 `compute_loss`, where its class overrides Keras's.
 
 The run's network returns one tensor (step/towers.py weighs one loss per example), so the outputs of
 a model of several are packed into one, [b, sum of their sizes], by `KerasModel.call` when its
-loss says `packs_outputs` (keras_model.py), and unpacked here into the model's structure.
+loss says `packs_outputs` (user_keras_model.py), and unpacked here into the model's structure.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import keras
 import tensorflow as tf
 
 from tower_train.errors import UsageError
-from tower_train.keras_model import per_label_loss
+from tower_train.user_keras_model import per_label_loss
 
 
 class CompiledLoss:
@@ -139,7 +139,7 @@ class CompiledLoss:
     def labels_read(self, labels: tuple[Any, Any]) -> list[tuple[str, Any, Any, int]]:
         """(path, labels, loss, classes) for each output's labels in a source's `(y,
         sample_weight)` arrays, with its loss and the last dimension of its outputs: what
-        `keras_model.check_labels` checks."""
+        `user_keras_model.check_labels` checks."""
         if self.own_compute_loss:  # the user's function alone knows how it reads them
             return []
         y = labels[0]

@@ -1,9 +1,9 @@
-"""eval_checkpoint.py in this process, on the tiny checkpoints of test_checkpoints.py: the checkpoint
+"""training/evaluation/checkpoint.py in this process, on the tiny checkpoints of test_checkpoints.py: the checkpoint
 to evaluate found from the files whatever the index says, and a train_dir of another model refused
 by its run record before any tensor is read."""
 import pytest
 
-from tower_train.training import eval_checkpoint
+from tower_train.training.evaluation import checkpoint as eval_checkpoint
 from tower_train.errors import UsageError
 from tower_train.training.run_record import RUN_FILE
 from test_checkpoints import train

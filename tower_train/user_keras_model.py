@@ -47,7 +47,7 @@ class KerasModel(TowerModel):
     def call(self, features: tf.Tensor, training: bool = False) -> tf.Tensor:
         outputs = self.network(features, training=training)
         if getattr(self._per_label_loss, "packs_outputs", False):
-            return pack_outputs(outputs)  # which the loss unpacks (keras_loss.py)
+            return pack_outputs(outputs)  # which the loss unpacks (compiled_loss.py)
         return outputs
 
     def per_example_loss(self, labels: tf.Tensor, logits: tf.Tensor) -> tf.Tensor:
@@ -60,7 +60,7 @@ class KerasModel(TowerModel):
     @property
     def honoured_overrides(self) -> tuple[str, ...]:
         """The methods of Keras's fit that the run calls where the network overrides them (a
-        compiled loss's, under tower_train.keras.fit: keras_loss.py); none for a plain loss."""
+        compiled loss's, under tower_train.keras.fit: compiled_loss.py); none for a plain loss."""
         return getattr(self._per_label_loss, "honoured_overrides", ())
 
     def update_training_metrics(self, labels: Any, logits: tf.Tensor) -> None:

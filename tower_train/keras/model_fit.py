@@ -15,17 +15,17 @@ callbacks, the History and the progress bar. docs/keras.md maps every argument:
   an update covers G = batch_size x accum examples, as Keras's fit at batch_size x accum, and a
   step, as Keras counts it, is one update: an epoch is ceil(n / G) updates.
 - The loss is the compiled loss as Keras computes it over one batch of G (one, or one per
-  output with loss_weights; keras_loss.py): sample_weight and class_weight multiply each
+  output with loss_weights; compiled_loss.py): sample_weight and class_weight multiply each
   example's loss, the sum is divided by the number of losses (Keras's "sum_over_batch_size"),
   the model's regularization losses are added once; or the model's own compute_loss, called on
-  every tower's share (keras_loss.py, docs/keras.md). The weights travel
+  every tower's share (compiled_loss.py, docs/keras.md). The weights travel
   with the targets (as `(y, sample_weight)`) so that the run's weighted mean, with every example
   weighing 1, is that quotient.
 - The optimizer is a copy of the compiled one (its rate or schedule, its clipping); afterwards
   the model holds the trained weights and its own optimizer holds the run's state, so that
   `evaluate`, `predict` and `save` work at once.
 - Metrics are the compiled ones, computed by the model's own `compute_metrics`: inside the
-  compiled update, from the outputs of every tower's training pass (keras_loss.py), so they sum
+  compiled update, from the outputs of every tower's training pass (compiled_loss.py), so they sum
   over the update's G examples as Keras's train step at G would, and on the validation
   data by the model's own `evaluate` at the end of each validated epoch, which tells the
   callbacks on_test_*; History's keys are Keras's (loss, the metrics' names, val_*).
@@ -46,13 +46,14 @@ import tensorflow as tf
 from absl import logging
 from keras.src.utils.python_utils import is_default  # what Keras's CallbackList asks of a callback
 
-from tower_train import api, keras_temp_dir
+from tower_train import api
+from tower_train.keras import temp_dir
 from tower_train.data.array_source import ArraySource
 from tower_train.training.keras_callbacks import check_callbacks
 from tower_train.config import TrainConfig
 from tower_train.errors import UsageError
-from tower_train.keras_data import OUT_OF_DATA, epoch_lengths, read_dataset, split_data
-from tower_train.keras_loss import CompiledLoss
+from tower_train.keras.data import OUT_OF_DATA, epoch_lengths, read_dataset, split_data
+from tower_train.keras.compiled_loss import CompiledLoss
 
 # The options this module sets from Keras's arguments and compile(), and where each comes from.
 _SET_HERE = {
@@ -140,7 +141,7 @@ def fit(model: keras.Model, x: Any = None, y: Any = None, batch_size: int | None
         return loop.history
     _warn_differences(model, towers, accum, options)
     given_dir = options.pop("train_dir", None)
-    train_dir = given_dir if given_dir is not None else keras_temp_dir.make("tower_train_keras_")
+    train_dir = given_dir if given_dir is not None else temp_dir.make("tower_train_keras_")
     options.setdefault("ema_decay", 0.0)  # Keras keeps no moving average
     # compile()'s jit_compile, as Keras decided it ("auto": on where a GPU computes, as here).
     options.setdefault("jit_compile", bool(model.jit_compile))
@@ -172,7 +173,7 @@ def fit(model: keras.Model, x: Any = None, y: Any = None, batch_size: int | None
         # its own (training/controller.py) and the copy stood in.
         model.optimizer = loop.own_optimizer
         if given_dir is None:
-            keras_temp_dir.remove(train_dir)
+            temp_dir.remove(train_dir)
     loop.hand_back_optimizer()
     return loop.history
 
@@ -302,7 +303,7 @@ class _KerasFitLoop(keras.callbacks.Callback):
         self._lengths, self._before = lengths, list(itertools.accumulate(lengths, initial=0))
         self._held_out, self._validation_freq = held_out, validation_freq
         self._validation_steps, self._validation_batch_size = validation_steps, validation_batch_size
-        # Updated inside the compiled update from the towers' training outputs (keras_loss.py).
+        # Updated inside the compiled update from the towers' training outputs (compiled_loss.py).
         self._tracks_metrics = tracks_metrics
         # Whether a callback reads a batch's logs (the progress bar, a user's on_train_batch_end),
         # as Keras's CallbackList tells: else the metrics are read once an epoch, not per update.

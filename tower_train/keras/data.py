@@ -1,4 +1,4 @@
-"""Keras's data arguments of `fit` as arrays for `tower_train.keras.fit` (keras.py): a batched
+"""Keras's data arguments of `fit` as arrays for `tower_train.keras.fit` (keras/model_fit.py): a batched
 `tf.data.Dataset` or `keras.utils.PyDataset` read once into arrays, and x, y, sample_weight,
 class_weight, validation_split and validation_data as the arrays to train on, each example's
 weight, and the held-out data."""

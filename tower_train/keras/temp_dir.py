@@ -1,4 +1,4 @@
-"""The temporary train_dir of `tower_train.keras.fit` without `train_dir=` (keras.py), which a
+"""The temporary train_dir of `tower_train.keras.fit` without `train_dir=` (keras/model_fit.py), which a
 SIGKILL cannot leave behind for good.
 
 The process that makes one holds an exclusive `flock` on its `owner` file, which names the
