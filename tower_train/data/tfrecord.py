@@ -2,8 +2,9 @@
 are checked whole by `tfrecord_check`; `tfrecord_writer.write_examples` writes such files from
 numpy arrays (and is importable from here too, where the docs have always shown it).
 
-The records are read as a stream, never loaded whole: what the pipeline holds at any time is
-bounded by the shuffle buffer, the read buffers and a few batches, whatever the number of records.
+The records are read as a stream, never loaded whole, in parallel (`tfrecord_read`): what the
+pipeline holds at any time is bounded by the shuffle buffer, the chunks being read and a few
+batches, whatever the number of records.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from tower_train.data.batch_parse import parse_batch
 from tower_train.data.source import (_HOST, TRAIN_PREFETCH, DataError, Preprocess, Source, check_stream_arguments,
                                      weight_check, without_autotuning)
 from tower_train.errors import UsageError, op_error_text
-from tower_train.data.tfrecord_check import COMPRESSIONS, Files, checked_files, file_fault
+from tower_train.data.tfrecord_check import COMPRESSIONS, Files, checked_chunks, file_fault
+from tower_train.data.tfrecord_read import empty_records, numbered, read_records
 from tower_train.user_code import UserCodeError, describe, where
 
 FeatureConfig = Union[tf.io.FixedLenFeature, tf.io.VarLenFeature, tf.io.FixedLenSequenceFeature,
@@ -32,7 +34,6 @@ SHARDINGS = ("stream", "files")
 # Second word of the shuffle key [seed, salt]: keeps these shuffles apart from any other use of the
 # training seed (ArraySource's permutations, preprocessing's per-example seeds [seed, position]).
 _SHUFFLE_SALT = 0x7F5EC0DE
-_READ_BUFFER = 1 << 20  # bytes of read-ahead per TFRecord file
 # TensorFlow's DataLossError names the offset of the record it failed on, never the file.
 _FAILED_OFFSET = re.compile(r"(?:corrupted|truncated) record at (\d+)")
 
@@ -155,9 +156,13 @@ class TFRecordSource(Source):
         self.preprocess = preprocess
         self.sharding = sharding
         self.compression = compression or None
-        self.train_files = checked_files(name, "train_files", train_files, self.compression)
-        self.eval_files = (None if eval_files is None
-                           else checked_files(name, "eval_files", eval_files, self.compression))
+        self._chunks = checked_chunks(name, "train_files", train_files, self.compression)
+        self.train_files = list(self._chunks)
+        self.eval_files = None
+        if eval_files is not None:
+            held_out = checked_chunks(name, "eval_files", eval_files, self.compression)
+            self._chunks.update(held_out)
+            self.eval_files = list(held_out)
         self._parse_signature: tuple[tf.TensorSpec, ...] | None = None  # known once `check` has traced parse
 
     # ----------------------------------------------------------------------------------------------
@@ -168,8 +173,8 @@ class TFRecordSource(Source):
         return self._parse_batches(examples, batch, drop_remainder=True)
 
     def _raw_eval_batches(self, batch_size: int) -> tf.data.Dataset:
-        records = (_empty_records() if self.eval_files is None else self._read(self.eval_files))
-        examples = _numbered(records, 0, batch_size, drop_remainder=False)
+        records = (empty_records() if self.eval_files is None else self._read(self.eval_files))
+        examples = numbered(records, 0, batch_size, drop_remainder=False)
         return self._parse_batches(examples, batch_size, drop_remainder=False)
 
     def train_stream(self, *, seed: int, start_position: int, micro_batch: int,
@@ -247,9 +252,8 @@ class TFRecordSource(Source):
     # The pipeline
 
     def _read(self, files: Sequence[str]) -> tf.data.Dataset:
-        """The records of `files`, file after file, each file in its order."""
-        return tf.data.TFRecordDataset(list(files), compression_type=self.compression or "",
-                                       buffer_size=_READ_BUFFER)
+        """The records of `files`, file after file, each file in its order, read in parallel."""
+        return read_records(files, self._chunks, self.compression)
 
     def _epoch(self, files: Sequence[str], key: tf.Tensor, epoch: tf.Tensor) -> tf.data.Dataset:
         """Epoch `epoch`'s records: all of `files` through a shuffle buffer seeded by (key, epoch)."""
@@ -279,7 +283,7 @@ class TFRecordSource(Source):
             lambda epoch: self._epoch(files, key, epoch))
         if start_position > first_position:  # a skip op costs every later record a call too
             records = records.skip(start_position - first_position)
-        examples = _numbered(records, start_position, batch, drop_remainder=True)
+        examples = numbered(records, start_position, batch, drop_remainder=True)
         options = tf.data.Options()
         options.deterministic = True
         return examples.with_options(options)
@@ -374,7 +378,7 @@ class TFRecordSource(Source):
         def trace(autograph: bool):
             function = (self._user_parse if autograph
                         else tf.autograph.experimental.do_not_convert(self._user_parse))
-            return _empty_records().map(function).element_spec
+            return empty_records().map(function).element_spec
 
         # Traced as plain Python first: an error then names the user's own file and line, where
         # AutoGraph's would name its generated code. A parse that needs AutoGraph (Python control
@@ -436,19 +440,6 @@ def _shuffle_key(seed: int, shard_index: int = 0, num_shards: int = 1) -> tf.Ten
 
 def _shape(shape: tf.TensorShape) -> str:
     return str(shape.as_list()) if shape.rank is not None else "(unknown shape)"
-
-
-def _numbered(records: tf.data.Dataset, start_position: int, batch: int, drop_remainder: bool) -> tf.data.Dataset:
-    """`records` in batches of `batch`, with their stream positions from `start_position`:
-    (positions int64 [b], records string [b]). The positions are counted per batch, not per
-    record: a zip with a counter of positions cost each record as much as reading it."""
-    starts = tf.data.Dataset.counter(start=start_position, step=batch)
-    batches = tf.data.Dataset.zip(starts, records.batch(batch, drop_remainder=drop_remainder))
-    return batches.map(lambda first, chunk: (first + tf.range(tf.size(chunk, out_type=tf.int64)), chunk))
-
-
-def _empty_records() -> tf.data.Dataset:
-    return tf.data.Dataset.from_tensor_slices(tf.constant([], tf.string))
 
 
 def _describe_files(files: Sequence[str]) -> str:

@@ -21,6 +21,10 @@ COMPRESSIONS = (None, "", "ZLIB", "GZIP")
 _HEADER, _FOOTER = 12, 4
 _GZIP_MAGIC = b"\x1f\x8b"
 _WALK_CHUNK = 1 << 16  # bytes read at once while walking a file's headers
+# Bytes of records that one parallel read takes at once (`tfrecord_read`): large enough that a read's
+# own cost is small beside its records', small enough that the reads in flight hold little memory.
+CHUNK_BYTES = 1 << 20
+Chunk = tuple[int, int]  # (the byte offset of its first record, its number of records)
 
 
 def checked_files(name: str, what: str, patterns: Files, compression: str | None) -> list[str]:
@@ -28,12 +32,20 @@ def checked_files(name: str, what: str, patterns: Files, compression: str | None
 
     Raises DataError naming the first pattern that matches no file, or the first file that is
     not a whole TFRecord file of `compression` (`file_fault`)."""
+    return list(checked_chunks(name, what, patterns, compression))
+
+
+def checked_chunks(name: str, what: str, patterns: Files,
+                   compression: str | None) -> dict[str, list[Chunk] | None]:
+    """`checked_files`'s files, each with its records in chunks of about CHUNK_BYTES, found by
+    the same walk (None for a compressed file, whose records cannot be reached without
+    decompressing all before them)."""
     if isinstance(patterns, (str, bytes)):
         patterns = [patterns]
     patterns = list(patterns)
     if not patterns:
         raise DataError(f"{name}: {what} is empty: give at least one file or glob pattern")
-    files: dict[str, None] = {}
+    files: dict[str, list[Chunk] | None] = {}
     for pattern in patterns:
         if not isinstance(pattern, str) or not pattern:
             raise DataError(f"{name}: {what}: {pattern!r} is not a file name or glob pattern")
@@ -45,17 +57,25 @@ def checked_files(name: str, what: str, patterns: Files, compression: str | None
             raise DataError(f"{name}: {what}: {pattern!r} matches no file")
         for path in matches:
             if path not in files:
-                fault = file_fault(path, compression)
+                fault, chunks = walk(path, compression)
                 if fault:
                     raise DataError(f"{name}: {what}: {path!r} (matched by {pattern!r}) {fault}")
-            files.setdefault(path, None)
-    return list(files)
-
+                files[path] = chunks
+    return files
 
 
 def file_fault(path: str, compression: str | None, suspect: int | None = None) -> str | None:
     """What keeps `path` from being read as a whole TFRecord file of `compression`, as the end of
-    a sentence naming it; None if nothing does.
+    a sentence naming it; None if nothing does (`walk`)."""
+    return walk(path, compression, suspect)[0]
+
+
+def walk(path: str, compression: str | None,
+         suspect: int | None = None) -> tuple[str | None, list[Chunk] | None]:
+    """(fault, chunks): what keeps `path` from being read as a whole TFRecord file of
+    `compression`, as the end of a sentence naming it, None if nothing does; and the records of a
+    whole uncompressed file in chunks of about CHUNK_BYTES, each starting where a record does
+    (None for a compressed file).
 
     Opening and reading is the readability test (os.access says yes to root). An uncompressed
     file's records are walked header by header, seeking past their data: each length must pass
@@ -72,22 +92,23 @@ def file_fault(path: str, compression: str | None, suspect: int | None = None) -
             head = f.read(_HEADER)
             tfrecord = _length_checks(head)
             if compression and not head:
-                return None  # no record: TensorFlow reads no record from it either
+                return None, None  # no record: TensorFlow reads no record from it either
             if compression == "GZIP" and head[:2] != _GZIP_MAGIC:
                 return ("is not GZIP-compressed (it does not start with gzip's bytes 1f 8b), but "
                         f"compression_type is {compression_type}"
                         + ("; it reads as an uncompressed TFRecord file: give compression=None"
-                           if tfrecord else ""))
+                           if tfrecord else "")), None
             if compression == "ZLIB" and not _zlib_header(head):
                 return (f"is not ZLIB-compressed (it does not start with a zlib header), but "
                         f"compression_type is {compression_type}"
                         + ("; it reads as an uncompressed TFRecord file: give compression=None"
-                           if tfrecord else ""))
+                           if tfrecord else "")), None
             if compression:
-                return None
+                return None, None
             if head and not tfrecord:
-                return _what_it_is(head, compression_type)
+                return _what_it_is(head, compression_type), None
             offset = start = 0
+            chunks: list[Chunk] = []
             chunk = b""  # the file's bytes from `start` on: a read per chunk, not per record
             while offset < size:
                 if offset + _HEADER > start + len(chunk):
@@ -96,19 +117,22 @@ def file_fault(path: str, compression: str | None, suspect: int | None = None) -
                 header = chunk[offset - start:offset - start + _HEADER]
                 if len(header) < _HEADER:
                     return (f"ends inside the header of the record at offset {offset} ({len(header)} "
-                            f"of its {_HEADER} bytes): the file is truncated")
+                            f"of its {_HEADER} bytes): the file is truncated"), None
                 if not _length_checks(header):
-                    return f"has a corrupted record at offset {offset}: its length fails its checksum"
+                    return f"has a corrupted record at offset {offset}: its length fails its checksum", None
                 end = offset + _HEADER + struct.unpack("<Q", header[:8])[0] + _FOOTER
                 if end > size:
                     return (f"ends inside the record at offset {offset} (the record would end at byte "
-                            f"{end}, the file ends at byte {size}): the file is truncated")
+                            f"{end}, the file ends at byte {size}): the file is truncated"), None
                 if suspect is not None and offset <= suspect < end and _data_fault(f, offset, end):
-                    return f"has a corrupted record at offset {offset}: its data fails its checksum"
+                    return f"has a corrupted record at offset {offset}: its data fails its checksum", None
+                if not chunks or offset - chunks[-1][0] >= CHUNK_BYTES:
+                    chunks.append((offset, 0))
+                chunks[-1] = (chunks[-1][0], chunks[-1][1] + 1)
                 offset = end
     except (tf.errors.OpError, OSError) as e:
-        return f"cannot be read: {op_error_text(e)}"
-    return None
+        return f"cannot be read: {op_error_text(e)}", None
+    return None, chunks
 
 
 def _what_it_is(head: bytes, compression_type: str) -> str:
