@@ -6,7 +6,6 @@ only what one update computes is scripted."""
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import itertools
 import math
 import os
@@ -90,11 +89,29 @@ class RecordingClock(PeerClock):
             self.in_local_work = False
 
 
+class WatchedResult(UpdateResult):
+    """A scripted update's result that notes, in `order`, when the Controller first reads it."""
+
+    __slots__ = ("number", "order")
+
+    def __init__(self, result: UpdateResult, number: int, order: list[tuple[str, int]]):
+        super().__init__(result.loss, result.total_weight, result.decision, result.state_finite)
+        self.number, self.order = number, order
+
+    def _values(self):
+        if self._read is None:
+            self.order.append(("read", self.number))
+        return super()._values()
+
+
 class ScriptedStep:
     """An InnerStep that plays `script`, one UpdateResult per update, as a mode's step would:
     it takes K micro-batches, counts an applied update in `state.step` and, with fp16, halves
     the loss scale for a refused update that had labels (an empty one never lowers it).
-    `during[n]` runs inside the n-th call (a signal arriving, weights going bad, an op error)."""
+    `during[n]` runs inside the n-th call (a signal arriving, weights going bad, an op error).
+    `order` notes each call ("run", n) and the Controller's first read of its result ("read", n)."""
+
+    overlaps_updates = True
 
     def __init__(self, state: TrainState, accum: int, script: list[UpdateResult],
                  clock: RecordingClock, during: dict[int, Callable[[], None]] | None = None):
@@ -105,6 +122,7 @@ class ScriptedStep:
         self.written: list[int] = []  # the step at each state_written
         self.saved: Callable[[], list[int]] = list
         self.held_is_finite = True
+        self.order: list[tuple[str, int]] = []
 
     def run_update(self, batches):
         taken = [next(batches) for _ in range(self.accum)]
@@ -117,10 +135,11 @@ class ScriptedStep:
         if result.applied:
             self.state.step.assign_add(1)
             # As a mode's update reports it, read after its apply (UpdateRule.state_finite).
-            result = dataclasses.replace(result, state_finite=self.state.all_finite())
+            result = result.with_state_finite(self.state.all_finite())
         elif self.state.loss_scale is not None and result.decision != Decision.EMPTY:
             self.state.loss_scale.after_refused()
-        return result
+        self.order.append(("run", len(self.calls)))
+        return WatchedResult(result, len(self.calls), self.order)
 
     def traced_update(self, spec):
         raise NotImplementedError  # the Controller never traces
@@ -169,7 +188,7 @@ class Run:
     def __init__(self, train_dir, script: list[UpdateResult], fp16: bool = False,
                  during: dict[int, Callable[[], None]] | None = None,
                  stop: StopSignals | None = None, any_worker: Callable[[bool], bool] = bool,
-                 hooks: int | list[Hook] = 2, **overrides):
+                 hooks: int | list[Hook] = 2, overlaps: bool = True, **overrides):
         self.train_dir = str(train_dir)
         self.config = TrainConfig(**{"train_dir": self.train_dir, "num_gpus": 1, "batch_size": 4,
                                      "precision": "fp16" if fp16 else "fp32", **overrides})
@@ -180,6 +199,7 @@ class Run:
         assert self.writer.restore(self.state.all_finite) is None  # a fresh train_dir
         self.clock = RecordingClock()
         self.inner = ScriptedStep(self.state, self.config.accum, script, self.clock, during)
+        self.inner.overlaps_updates = overlaps
         self.inner.saved = self.saved
         self.hooks = hooks if isinstance(hooks, list) else [RecordingHook() for _ in range(hooks)]
         self.logged: list[str] = []
@@ -503,3 +523,89 @@ def test_a_long_update_logs_how_far_it_is(tmp_path, monkeypatch):
     run.controller.run()
     notes = [re.sub(r" \(\d+ s so far\)$", "", line) for line in run.logged if "micro-step" in line]
     assert notes == [f"update {u}: micro-step {m} of 2" for u in (1, 2) for m in (1, 2)]
+
+
+class ReadsStateEvery(RecordingHook):
+    """A hook that reads the training state after every `every`-th update only (as the progress
+    log and the held-out evaluation do), so that the Controller may overlap the others."""
+
+    def __init__(self, every: int):
+        super().__init__()
+        self.every = every
+
+    def reads_state(self, step: int) -> bool:
+        return step % self.every == 0
+
+
+def overlapped_order(reads_now: set[int], last: int) -> list[tuple[str, int]]:
+    """The order of runs and reads when update n's result is read after update n + 1 is queued,
+    except for the first update and those in `reads_now` (a checkpoint, a hook's read, the last):
+    the order that reads nothing on the host between two updates that need nothing."""
+    order, in_flight = [], None
+    for n in range(1, last + 1):
+        order.append(("run", n))
+        if in_flight:
+            order.append(("read", in_flight))
+        in_flight = None if n == 1 or n in reads_now else n
+        if in_flight is None:
+            order.append(("read", n))
+    return order
+
+
+def test_an_update_is_read_only_after_the_next_is_queued_unless_something_needs_it(tmp_path):
+    losses = [4.0, 3.5, 3.25, 3.0, 2.75, 2.5, 2.25, 2.0, 1.75, 1.5]
+    hook = ReadsStateEvery(4)
+    run = Run(tmp_path, [applied(loss) for loss in losses], hooks=[hook], max_steps=10,
+              checkpoint_every=5)
+
+    assert run.controller.run() == 1.5
+    # Read at once: the first (it traces), 4 and 8 (the hook reads the state), 5 (a checkpoint)
+    # and 10 (the last); every other update is read while the next one runs.
+    assert run.inner.order == overlapped_order({4, 5, 8, 10}, 10)
+    assert [(e.step, e.loss) for e in hook.events] == list(zip(range(1, 11), losses))
+    # Each checkpoint holds the state of its own update, not of the one queued after it.
+    assert run.saved() == [5, 10]
+    assert [saved_value(run.ckpt(n), "step") for n in (5, 10)] == [5, 10]
+
+
+def test_a_refused_update_read_late_leaves_its_number_to_the_next(tmp_path):
+    script = [applied(4.0), applied(3.0), EMPTY, applied(2.0), applied(1.0), applied(0.5)]
+    run = Run(tmp_path, script, hooks=[ReadsStateEvery(100)], max_steps=5, checkpoint_every=100)
+
+    assert run.controller.run() == 0.5
+    assert run.inner.order == overlapped_order({6}, 6)
+    assert run.hook_steps() == [[1, 2, 3, 4, 5]]
+    assert [e.loss for e in run.hooks[0].events] == [4.0, 3.0, 2.0, 1.0, 0.5]
+    assert [line for line in run.logged if "total weight 0" in line] == [
+        "update 3 has total weight 0 (every label weighs 0) and was not applied; its examples are "
+        "passed over"]
+    assert run.saved() == [5] and saved_value(run.ckpt(5), "step") == 5
+
+
+@pytest.mark.parametrize("overlaps", [False, True])
+def test_a_non_finite_update_read_late_stops_one_update_later_with_the_same_message(tmp_path, overlaps):
+    run = Run(tmp_path, [applied(3.0), applied(2.0), non_finite(NAN), applied(1.0)],
+              hooks=[ReadsStateEvery(100)], max_steps=10, checkpoint_every=100, nonfinite="stop",
+              overlaps=overlaps)
+
+    with pytest.raises(TrainingError) as raised:
+        run.controller.run()
+    assert str(raised.value) == ("update 3 has a non-finite loss or gradient (loss = nan) and was not "
+                                 "applied; stopping (--nonfinite=stop); the last good checkpoint is "
+                                 "none: no checkpoint was written yet")
+    assert len(run.inner.calls) == 3 + overlaps and run.saved() == []
+
+
+def test_a_stop_signal_settles_the_update_in_flight_and_stops_at_its_boundary(tmp_path):
+    stop = StopSignals()
+    # The signal arrives during update 3, which then stays in flight; its handler is what the
+    # signal would run.
+    run = Run(tmp_path, [applied(loss) for loss in (4.0, 3.0, 2.0, 1.0, 0.5)], hooks=[ReadsStateEvery(100)],
+              during={3: lambda: stop._record(signal.SIGTERM, None)}, stop=stop, max_steps=5,
+              checkpoint_every=100)
+
+    with pytest.raises(Stopped, match="^stopped by SIGTERM after update 3; saved "):
+        run.controller.run()
+    # Update 3 was read before anything else ran, then saved at its boundary; no 4th update.
+    assert run.inner.order == overlapped_order(set(), 3) + [("read", 3)]
+    assert run.saved() == [3] and saved_value(run.ckpt(3), "step") == 3

@@ -23,7 +23,7 @@ _LAZY = {
     "DatasetSource": "tower_train.data.tf_dataset",
     "TFRecordSource": "tower_train.data.tfrecord",
     "TowerModel": "tower_train.models",
-    "TrainResult": "tower_train.training.controller",
+    "TrainResult": "tower_train.training.train",
 }
 
 __all__ = ["Stopped", "TrainingError", "UsageError", *_LAZY]

@@ -126,7 +126,7 @@ def fit(model: object = None, data: object = None, *, num_classes: int | None = 
         rate or schedule and clipping: the learning-rate options are then refused).
 
     Returns:
-      A `tower_train.training.controller.TrainResult`: step, loss, eval_precision, eval_loss, eval_examples,
+      A `tower_train.training.train.TrainResult`: step, loss, eval_precision, eval_loss, eval_examples,
       eval_metrics, checkpoint, model (the trained network, the user's own object) and history.
 
     Raises:
@@ -188,15 +188,15 @@ def _train(run: startup.Started, callbacks: list, metrics: list, stop,
     """`fit` once the run is started: its train_dir locked, its checks passed."""
     import tensorflow as tf
 
-    from tower_train.training import controller
+    from tower_train.training.train import train
     from tower_train.training.evaluation.held_out import make_metrics
 
     with watchdog.local_work():
         metrics = make_metrics(metrics)
     try:
-        return controller.train(run.config, run.spec, run.source, run.mode, watchdog, stop,
-                                live_progress=live_progress, callbacks=callbacks, metrics=metrics,
-                                initial_step=initial_step)
+        return train(run.config, run.spec, run.source, run.mode, watchdog, stop,
+                     live_progress=live_progress, callbacks=callbacks, metrics=metrics,
+                     initial_step=initial_step)
     except (tf.errors.UnavailableError, tf.errors.DeadlineExceededError,
             tf.errors.CancelledError, tf.errors.AbortedError) as e:
         if run.worker.count == 1:

@@ -2,7 +2,6 @@
 and the strategy modes' `StrategyStep` implement, and what one update reports."""
 from __future__ import annotations
 
-import dataclasses
 import enum
 from typing import Iterator, Mapping, Protocol, Sequence
 
@@ -27,30 +26,55 @@ class Decision(enum.IntEnum):
     NONFINITE = 3  # a non-finite loss or gradient would have reached the weights: --nonfinite's case
 
 
-@dataclasses.dataclass(frozen=True)
 class UpdateResult:
-    """What one call of `run_update` did.
+    """What one call of `run_update` did, read from the devices only when first asked.
 
     loss: the update's weighted mean loss (over all towers, micro-steps and workers) plus the
       regularization; total_weight: W, the sum of the update's weights; decision: applied, or
       why it was refused (nothing moved then); state_finite: whether every float value a
       checkpoint would hold was finite after it (`UpdateRule.state_finite`).
+
+    Made from the step's tensors (or plain values), it holds them until one of its fields is
+    asked for; that read, of all four at once, waits for the update to finish. So the
+    Controller can queue the next update before it reads this one (controller.py).
     """
 
-    loss: float
-    total_weight: float
-    decision: Decision
-    state_finite: bool = True
+    __slots__ = ("_given", "_read")
 
-    @classmethod
-    def of(cls, loss: tf.Tensor, total_weight: tf.Tensor, decision: tf.Tensor,
-           state_finite: tf.Tensor | bool = True) -> UpdateResult:
-        """From the step's tensors; reading them waits for the update to finish."""
-        return cls(float(loss), float(total_weight), Decision(int(decision)), bool(state_finite))
+    def __init__(self, loss: tf.Tensor | float, total_weight: tf.Tensor | float,
+                 decision: tf.Tensor | Decision, state_finite: tf.Tensor | bool = True):
+        self._given = (loss, total_weight, decision, state_finite)
+        self._read: tuple[float, float, Decision, bool] | None = None
+
+    def _values(self) -> tuple[float, float, Decision, bool]:
+        if self._read is None:
+            loss, total_weight, decision, state_finite = self._given
+            self._read = (float(loss), float(total_weight), Decision(int(decision)), bool(state_finite))
+        return self._read
+
+    @property
+    def loss(self) -> float:
+        return self._values()[0]
+
+    @property
+    def total_weight(self) -> float:
+        return self._values()[1]
+
+    @property
+    def decision(self) -> Decision:
+        return self._values()[2]
+
+    @property
+    def state_finite(self) -> bool:
+        return self._values()[3]
 
     @property
     def applied(self) -> bool:
         return self.decision == Decision.APPLIED
+
+    def with_state_finite(self, state_finite: tf.Tensor | bool) -> UpdateResult:
+        """The same update, with the finiteness of the state it left read from `state_finite`."""
+        return UpdateResult(*self._given[:3], state_finite)
 
 
 class InnerStep(Protocol):
@@ -89,3 +113,10 @@ class InnerStep(Protocol):
     def held_finite(self) -> bool:
         """Whether every float value the step keeps of the state away from the TrainState (what
         `sync_state` would write) is finite; True when it keeps none."""
+
+    @property
+    def overlaps_updates(self) -> bool:
+        """Whether the Controller may queue the next update before it reads this one's result:
+        the step reads nothing of it on the host itself, and the state a late read finds is the
+        TrainState's (no state held elsewhere, whose finiteness would be read after the next
+        update)."""

@@ -9,6 +9,7 @@ from typing import Callable, ContextManager, Mapping, Sequence
 import tensorflow as tf
 
 from tower_train.devices import canonical_device
+from tower_train.step.inner_step import UpdateResult
 from tower_train.step.towers import combine_gradients, combine_slices, read_in_compute_dtype, regularization_gradients
 from tower_train.step.tower_layout import TowerLayout, TowerSetup, TowerSums, weight_copies
 from tower_train.step.update_rule import tensors_finite
@@ -41,6 +42,8 @@ class ParameterDeviceLayout:
     """Every variable on one device (`--ps_device=cpu|gpu`): the weights leave it once per update
     for the towers that keep a copy (or each pass for the others), and every tower's gradient
     sums come to it, which combines, decides and applies."""
+
+    holds_state = False
 
     def __init__(self, *, setup: TowerSetup, device: str):
         model = setup.rule.model
@@ -117,8 +120,8 @@ class ParameterDeviceLayout:
     def before_update(self) -> None:
         pass  # the towers read the TrainState's variables themselves
 
-    def after_update(self, applied: bool) -> None:
-        pass
+    def after_update(self, result: UpdateResult) -> None:
+        pass  # nothing to read: the next update may be queued before this one is read
 
     def sync_state(self) -> None:
         pass  # the TrainState's variables are the weights

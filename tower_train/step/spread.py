@@ -26,7 +26,7 @@ import tensorflow as tf
 
 from tower_train.devices import canonical_device
 from tower_train.errors import UsageError
-from tower_train.step.inner_step import Decision
+from tower_train.step.inner_step import Decision, UpdateResult
 from tower_train.step.schedules import MovingAverage
 from tower_train.step.tower_layout import TowerLayout, TowerSetup, TowerSums, weight_copies
 from tower_train.step.towers import combine_gradients, read_in_compute_dtype, regularization_gradients
@@ -286,6 +286,8 @@ class SpreadLayout:
     squared norm, for clipping) per owner. A tower receives and sends only the rows it does not
     own, each in the dtype `tower_step` gives (`--precision`, `--transfer_precision`)."""
 
+    holds_state = True  # the slices of the weights, slots and averages
+
     def __init__(self, *, setup: TowerSetup, placement: SpreadPlacement):
         rule = setup.rule
         self.host = placement.host
@@ -395,8 +397,8 @@ class SpreadLayout:
             self.state.scatter()
             self._written = False
 
-    def after_update(self, applied: bool) -> None:
-        self._synced = self._synced and not applied
+    def after_update(self, result: UpdateResult) -> None:
+        self._synced = self._synced and not result.applied
 
     def sync_state(self) -> None:
         if not self._synced:

@@ -44,7 +44,6 @@ count back to 0 with its accumulators.
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import Iterator, Mapping, Sequence
 
 import tensorflow as tf
@@ -123,12 +122,12 @@ class StrategyStep:
         for _ in range(self._accum - 1):
             self.accumulate(tuple(next(batches)))
         shards = tuple(next(batches))
-        result = UpdateResult.of(*self.finish(shards))
+        result = UpdateResult(*self.finish(shards))
         if result.applied:
             weights = shards[0][2]  # one per label
             count = labels_per_shard(weights.shape, [weights.shape[0]])[0]
             state_finite = self.apply(tf.constant(count / result.total_weight, tf.float32))
-            result = dataclasses.replace(result, state_finite=bool(state_finite))
+            result = result.with_state_finite(state_finite)
         else:
             self.discard(tf.constant(int(result.decision)))
         return result
@@ -153,6 +152,10 @@ class StrategyStep:
 
     def held_finite(self) -> bool:
         return True
+
+    @property
+    def overlaps_updates(self) -> bool:
+        return False  # the host reads the decision to apply or discard (run_update)
 
     def _per_replica(self, shards: Shards) -> tf.distribute.DistributedValues:
         def shard(context: tf.distribute.DistributedContext) -> Batch:

@@ -12,6 +12,7 @@ from typing import Callable, Mapping, Protocol, Sequence
 
 import tensorflow as tf
 
+from tower_train.step.inner_step import UpdateResult
 from tower_train.step.placement import Placement
 from tower_train.step.update_rule import UpdateRule
 
@@ -47,10 +48,13 @@ class TowerLayout(Protocol):
     Attributes:
       host: the device of the counters and BN statistics, which decides the update.
       copies: per tower, its copy of the trainable weights, or None to be sent them each pass.
+      holds_state: whether it keeps part of the training state away from the TrainState
+        (`sync_state` writes it back), so that its finiteness is read from where it is kept.
     """
 
     host: str
     copies: list[list[tf.Variable] | None]
+    holds_state: bool
 
     def tower_weights(self) -> list:
         """Per tower, what its pass reads: its copy, the weights sent it, or None (the variables)."""
@@ -64,8 +68,8 @@ class TowerLayout(Protocol):
     def before_update(self) -> None:
         """Takes in what was written into the TrainState since the last update."""
 
-    def after_update(self, applied: bool) -> None:
-        """Notes an update done, applied or not."""
+    def after_update(self, result: UpdateResult) -> None:
+        """Notes an update done, applied or not (reading `result` waits for it)."""
 
     def sync_state(self) -> None:
         """`InnerStep.sync_state`."""

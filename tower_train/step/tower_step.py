@@ -146,8 +146,8 @@ class TowerStep:
         # A tuple whichever feed gave the shards: a list would trace the functions again.
         for _ in range(self._accum - 1):
             self.accumulate(tuple(next(batches)))
-        result = UpdateResult.of(*self.update(tuple(next(batches))))
-        self.layout.after_update(result.applied)
+        result = UpdateResult(*self.update(tuple(next(batches))))
+        self.layout.after_update(result)
         return result
 
     def sync_state(self) -> None:
@@ -158,6 +158,10 @@ class TowerStep:
 
     def held_finite(self) -> bool:
         return self.layout.held_finite()
+
+    @property
+    def overlaps_updates(self) -> bool:
+        return not self.layout.holds_state
 
     def traced_update(self, spec: BatchSpec) -> list[tuple[object, int]]:
         shards = shard_specs(spec, self._shard_sizes)

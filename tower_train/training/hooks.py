@@ -6,7 +6,7 @@ computed (`step`: the number it gets once applied) and `after_update(event)` onc
 names: val_precision, val_loss, val_<metric>) come from the hook that evaluated
 (`evaluation.held_out.EvaluationHook`, whose `after_update` returns them) or from training's final
 evaluation; and `train_end()` last. `close()` comes when the loop ends, before training's final
-evaluation (`controller.train` calls it). The hooks are `progress.Progress` (log, TensorBoard,
+evaluation (`train.train` calls it). The hooks are `progress.Progress` (log, TensorBoard,
 `TrainResult.history`), `evaluation.held_out.EvaluationHook` and `keras_callbacks.KerasCallbacks` (the user's
 Keras callbacks, the one hook that runs the user's code and may stop the run).
 """
@@ -46,6 +46,12 @@ class Hook:
     def after_update(self, event: UpdateEvent) -> Mapping[str, float] | None:
         """Returns the held-out values of an evaluation it made after the update, else None."""
         return None
+
+    def reads_state(self, step: int) -> bool:
+        """Whether `after_update` of update `step` reads the training state (or needs to be told
+        before the next update runs): then the Controller reads that update's result before it
+        queues the next. A hook that says nothing is taken to read it."""
+        return True
 
     def after_evaluation(self, step: int, held_out: Mapping[str, float]) -> None:
         pass

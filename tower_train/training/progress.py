@@ -105,6 +105,10 @@ class Progress(Hook):
             self._bar = tqdm(total=config.max_steps, initial=first_step, unit="update",
                              dynamic_ncols=True, leave=True)
 
+    def reads_state(self, step: int) -> bool:
+        # A log line's learning rate and loss scale; the live bar needs only the event's loss.
+        return not self._reported_first or step % self._log_every == 0 or step == self._max_steps
+
     def after_update(self, event: UpdateEvent) -> None:
         first = not self._reported_first
         self._reported_first = True
@@ -114,8 +118,9 @@ class Progress(Hook):
             self._all_updates += 1
             self._all_seconds += event.seconds
         state = event.state
-        scale = None if state.loss_scale is None else float(state.loss_scale.value.numpy())
         due = event.step % self._log_every == 0 or event.step == self._max_steps
+        scale = (float(state.loss_scale.value.numpy())
+                 if state.loss_scale is not None and (first or due) else None)
         if due:
             self._write_summaries(event, scale)
         if self._bar is not None:

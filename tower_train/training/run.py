@@ -1,7 +1,7 @@
 """One training run, built one way: the state a checkpoint holds, created in a mode's variable
 scope, the mode's inner step and the run's stream of micro-batches.
 
-Every place that trains or times updates builds its run here (`Run.create`): `controller.train`,
+Every place that trains or times updates builds its run here (`Run.create`): `train.train`,
 `compare`, the benchmark and the tests. The mode comes built (`modes.build_mode`), because a
 multi-worker strategy must be created before any other TensorFlow op runs.
 """

@@ -304,8 +304,14 @@ class EvaluationHook(Hook):
         self.watchdog = watchdog  # an evaluation is local work: no peer wait to time
         self.metrics = metrics
 
+    def reads_state(self, step: int) -> bool:
+        return self._evaluates_after(step)
+
+    def _evaluates_after(self, step: int) -> bool:
+        return step % self.every == 0 and step != self.max_steps  # training evaluates at the last
+
     def after_update(self, event: UpdateEvent) -> dict[str, float] | None:
-        if event.step % self.every or event.step == self.max_steps:
+        if not self._evaluates_after(event.step):
             return None
         started = time.perf_counter()
         self.sync_state()
