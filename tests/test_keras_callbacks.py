@@ -434,3 +434,60 @@ def test_a_metric_whose_result_is_not_one_number_is_one_usage_error_line_before_
         "metrics: per_class, on outputs float32 [20, 3] and labels int32 [20]: its result has shape "
         "[3], not one number to log (for F1Score and the like: average='macro' or 'micro')")
     assert not glob.glob(str(tmp_path / "run" / "ckpt-*"))
+
+
+class EpochsOnly(keras.callbacks.Callback):
+    def on_epoch_end(self, epoch, logs=None):
+        pass
+
+
+class SaysWhen(keras.callbacks.Callback):
+    """A callback that says itself after which updates it reads the state, as
+    tower_train.keras.fit's own loop does."""
+
+    def reads_state(self, step: int) -> bool:
+        return step == 3
+
+
+def test_the_callbacks_read_the_state_after_an_update_only_where_one_has_batch_hooks_or_says_so():
+    model = network()
+    assert not any(KerasCallbacks(callbacks=[EpochsOnly(), keras.callbacks.CSVLogger("unused.csv")],
+                                  model=model).reads_state(step) for step in range(1, 5))
+    assert all(KerasCallbacks(callbacks=[EpochsOnly(), Recorder()], model=model).reads_state(step)
+               for step in range(1, 5))
+    says = KerasCallbacks(callbacks=[SaysWhen()], model=model)
+    assert [says.reads_state(step) for step in range(1, 5)] == [False, False, True, False]
+
+
+def test_keras_fit_queues_each_update_before_it_reads_the_last_except_at_an_epochs_end(monkeypatch):
+    from tower_train.step.inner_step import UpdateResult
+    from tower_train.step.tower_step import TowerStep
+
+    order, numbers = [], {}
+    run_update, values = TowerStep.run_update, UpdateResult._values
+
+    def noted_run(self, batches):
+        result = run_update(self, batches)
+        numbers[id(result)] = len(numbers) + 1
+        order.append(("run", numbers[id(result)]))
+        return result
+
+    def noted_read(self):
+        if self._read is None and id(self) in numbers:
+            order.append(("read", numbers[id(self)]))
+        return values(self)
+
+    monkeypatch.setattr(TowerStep, "run_update", noted_run)
+    monkeypatch.setattr(UpdateResult, "_values", noted_read)
+    model = network()
+    model.compile(optimizer=keras.optimizers.SGD(LR), loss="sparse_categorical_crossentropy")
+    x, y = arrays(n=32)
+    tower_train.keras.fit(model, x, y, batch_size=8, epochs=2, shuffle=False, verbose=0,
+                          num_gpus=2)  # 4 updates an epoch
+
+    assert sorted(order) == sorted([(what, n) for n in range(1, 9) for what in ("run", "read")])
+    # Inside an epoch each update is read while the next one runs; its last is read before the
+    # next epoch begins (its metrics, on_epoch_end).
+    for n in (2, 3, 6, 7):
+        assert order.index(("read", n)) > order.index(("run", n + 1)), order
+    assert order.index(("read", 4)) < order.index(("run", 5)), order

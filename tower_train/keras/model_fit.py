@@ -341,6 +341,13 @@ class _KerasFitLoop(keras.callbacks.Callback):
             _copy_state([v.numpy() for v in own.variables], run)
         self.list.on_train_begin()
 
+    def reads_state(self, step: int) -> bool:
+        """Whether it reads the run's state after update `step` (`KerasCallbacks.reads_state`):
+        after every update where a callback reads batch logs, else at each epoch's end (its
+        metrics, validation and on_epoch_end). Between, the run queues the next update first."""
+        epoch, batch = self._place(step)
+        return self._batch_logs_read or batch == self._lengths[epoch] - 1
+
     def on_train_batch_begin(self, step: int, logs=None) -> None:
         epoch, batch = self._place(step)
         if self._epoch_updates is None:  # its first update, or the first after resuming in it

@@ -85,11 +85,10 @@ class Controller:
         self.empty_in_a_row = 0  # updates refused for a total weight of 0
         self.last_checkpoint: str | None = writer.latest()
         self.last_evaluated: int | None = None  # the update the hooks last heard an evaluation of
-        # Whether an update may be queued before the last one is read (`run`): not where a hook
-        # runs the user's code on the state, a stop decision is collective (multi_worker), the
-        # float16 loss scale's log line reads the state, or the step holds state elsewhere.
-        self._overlaps = (inner.overlaps_updates and not any(hook.user_code for hook in hooks)
-                          and one_process and state.loss_scale is None)
+        # Whether an update may be queued before the last one is read (`run`): not where a stop
+        # decision is collective (multi_worker), the float16 loss scale's log line reads the
+        # state, or the step holds state elsewhere. The hooks say which updates they read after.
+        self._overlaps = inner.overlaps_updates and one_process and state.loss_scale is None
 
     def run(self) -> float | None:
         """Trains to max_steps; returns the loss of the last applied update (None if none was).
@@ -155,7 +154,8 @@ class Controller:
         number if applied) is read: nothing after it needs that result or the state it leaves."""
         return (self._overlaps and number < self.config.max_steps
                 and number % self.config.checkpoint_every != 0
-                and not any(hook.reads_state(number) for hook in self.hooks))
+                and not any(hook.reads_state(number) for hook in self.hooks)
+                and not any(hook.stop_asked() for hook in self.hooks if hook.user_code))
 
     def _signalled(self) -> bool:
         return self.stop is not None and self.stop.received() is not None
@@ -201,7 +201,9 @@ class Controller:
             self._save(step)
         users = [hook for hook in self.hooks if hook.user_code]
         asked = [who for who in (hook.stop_asked() for hook in users) if who]
-        if users and self.any_worker(bool(asked)):
+        # Overlapped, a stop asked since (by the queued update's on_train_batch_begin) is that
+        # update's: `_may_overlap` reads it before the next is queued.
+        if users and not overlapped and self.any_worker(bool(asked)):
             self._save_boundary(step)
             self.log("%s set model.stop_training: stopped after update %d, saved %s",
                      asked[0] if asked else "a peer's callback", step, self.last_checkpoint)

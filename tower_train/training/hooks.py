@@ -1,7 +1,8 @@
 """What the Controller (controller.py) tells its hooks of a run, and `Hook`, their base.
 
 In order, every hook hears: `train_begin()`; for each update `update_begin(step)` before it is
-computed (`step`: the number it gets once applied) and `after_update(event)` once it is applied;
+computed (`step`: the number it gets once applied, and the update before it, which may still be
+in flight, too) and `after_update(event)` once it is applied;
 `after_evaluation(step, held_out)` after each held-out evaluation, whose values (by their Keras
 names: val_precision, val_loss, val_<metric>) come from the hook that evaluated
 (`evaluation.held_out.EvaluationHook`, whose `after_update` returns them) or from training's final

@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Mapping, Sequence
 
 import keras
+from keras.src.utils.python_utils import is_default  # what Keras's CallbackList asks of a callback
 import numpy as np
 
 from tower_train.errors import UsageError
@@ -71,9 +72,19 @@ class KerasCallbacks(Hook):
     def update_begin(self, step: int) -> None:
         self._call("on_train_batch_begin", step)
 
+    def reads_state(self, step: int) -> bool:
+        """Whether a callback is told anything after update `step` that reads the state: one
+        with batch-end hooks after every update; `tower_train.keras.fit`'s loop says when (its
+        `reads_state`). The others are told epochs at evaluations, which read it anyway."""
+        return any(callback.reads_state(step) if hasattr(callback, "reads_state")
+                   else not (is_default(callback.on_train_batch_end) and is_default(callback.on_batch_end))
+                   for callback in self._callbacks)
+
     def after_update(self, event: UpdateEvent) -> None:
-        self._call("on_train_batch_end", event.step,
-                   {"loss": event.loss, "learning_rate": learning_rate(event.state.optimizer)})
+        logs = {"loss": event.loss}
+        if self.reads_state(event.step):  # else no callback reads it, and the read would wait
+            logs["learning_rate"] = learning_rate(event.state.optimizer)  # on the queued update
+        self._call("on_train_batch_end", event.step, logs)
 
     def after_evaluation(self, step: int, held_out: Mapping[str, float]) -> None:
         self._call("on_epoch_end", step, dict(held_out))
