@@ -94,6 +94,7 @@ def _benchmark(argv: list[str]) -> int:
         # Keras's own fit and tower_train.keras.fit(num_gpus=1) each place their one device.
         results = measure_keras_epochs(options["rounds"].value)
         return _report(format_keras_report(results), results, measure, 1, options)
+    keras_jit_compile = config.jit_compile  # as given: "auto" lets keras_fit's Keras decide
     names = options["configs"].value or default_configs(measure, config.batch_size)
     benches = [parse_config_name(name, config.batch_size) for name in names]
     if options["warmup_updates"].value < 1:
@@ -117,16 +118,16 @@ def _benchmark(argv: list[str]) -> int:
             results = measure_memory(benches, argv)
             report = format_memory_report(results)
         elif measure == "traffic":
-            results = measure_traffic(config, benches, plan)
+            results = measure_traffic(config, benches, plan, keras_jit_compile)
             report = format_traffic_report(results, link_gbps)
         elif measure == "ops":
             results = measure_ops(config, benches, plan, options["updates"].value,
-                                  options["warmup_updates"].value)
+                                  options["warmup_updates"].value, keras_jit_compile)
             report = format_ops_report(results)
         else:
             measurements = run_benchmark(config, benches, plan, options["updates"].value,
                                          options["warmup_updates"].value, options["rounds"].value,
-                                         options["slow_tower_ms"].value)
+                                         options["slow_tower_ms"].value, keras_jit_compile)
             results = [dataclasses.asdict(m) for m in measurements]
             report = format_report(measurements, len(plan.tower_devices), config.batch_size)
     return _report(report, results, measure, len(plan.tower_devices), options, config.batch_size)

@@ -32,13 +32,15 @@ def _peak_memory(argv: list[str]) -> int:
     config = parse_config(argv, __doc__ or "", options, tt_flags.BENCHMARK_OPTIONS)
     bench = parse_config_name(_one(options["configs"].value), config.batch_size)
     with startup.start(startup.BENCHMARK, startup.options_of(config)) as run:
-        return _measure_peak(bench, run.config, run.plan, options)
+        # keras_fit's jit_compile as given: "auto" lets Keras decide (`build_workload`).
+        return _measure_peak(bench, run.config, run.plan, options, config.jit_compile)
 
 
-def _measure_peak(bench: BenchConfig, config: TrainConfig, plan: DevicePlan, options: dict) -> int:
+def _measure_peak(bench: BenchConfig, config: TrainConfig, plan: DevicePlan, options: dict,
+                  keras_jit_compile: bool | str) -> int:
     import tensorflow as tf
 
-    workload = build_workload(bench, config, plan)
+    workload = build_workload(bench, config, plan, keras_jit_compile=keras_jit_compile)
     gpus = _gpu_names(plan)
     rss_before = _status_mb("VmRSS")
     gpu_before = {d: tf.config.experimental.get_memory_info(d)["current"] / 2**20 for d in gpus}

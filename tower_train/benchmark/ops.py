@@ -14,11 +14,11 @@ if TYPE_CHECKING:
 
 
 def measure_ops(config: TrainConfig, benches: list[BenchConfig], plan: DevicePlan, updates: int,
-                warmup_updates: int) -> list[dict]:
+                warmup_updates: int, keras_jit_compile: bool | str | None = None) -> list[dict]:
     """For each configuration: its wall time per example over `updates` updates, then the op
     time per example by op type over `updates` profiled updates (TensorFlow's
     framework_op_stats: every op's self time on every device, the input pipeline's "Dataset"
-    included, "IDLE" the devices' waits)."""
+    included, "IDLE" the devices' waits). `keras_jit_compile`: keras_fit's (`build_workload`)."""
     import glob
     import tempfile
 
@@ -28,7 +28,7 @@ def measure_ops(config: TrainConfig, benches: list[BenchConfig], plan: DevicePla
 
     results = []
     for bench in benches:
-        workload = build_workload(bench, config, plan)
+        workload = build_workload(bench, config, plan, keras_jit_compile=keras_jit_compile)
         workload.run(warmup_updates)
         seconds = workload.run(updates)
         with tempfile.TemporaryDirectory() as logdir:

@@ -5,7 +5,7 @@ import dataclasses
 import statistics
 from typing import TYPE_CHECKING
 
-from tower_train.benchmark.names import BenchConfig, comparisons
+from tower_train.benchmark.names import BenchConfig, comparisons, parse_config_name
 from tower_train.benchmark.workloads import build_workload
 from tower_train.config import TrainConfig
 from tower_train.stats import jitter
@@ -28,6 +28,7 @@ class Measurement:
     state_bytes_per_device: dict | None  # Workload.state_bytes(); None on one device
     compute_devices: list[str]  # Workload.compute_devices(): where its update computes
     sec_per_update_by_round: list[float]  # in round order, so a reader can pair two configurations' rounds
+    jit_compile: bool | None = None  # Workload.jit_compile: its update compiles with XLA
 
     @property
     def sec_per_example(self) -> float:
@@ -39,10 +40,13 @@ class Measurement:
 
 
 def run_benchmark(config: TrainConfig, benches: list[BenchConfig], plan: DevicePlan, updates: int,
-                  warmup_updates: int, rounds: int, slow_tower_ms: float = 0.0) -> list[Measurement]:
+                  warmup_updates: int, rounds: int, slow_tower_ms: float = 0.0,
+                  keras_jit_compile: bool | str | None = None) -> list[Measurement]:
     """Times every configuration, alternating, and returns one Measurement each; then the input
-    pipeline of each configuration that has one, alone, for as many updates as were trained."""
-    workloads = {bench.name: build_workload(bench, config, plan, slow_tower_ms) for bench in benches}
+    pipeline of each configuration that has one, alone, for as many updates as were trained.
+    `keras_jit_compile`: keras_fit's jit_compile (`build_workload`)."""
+    workloads = {bench.name: build_workload(bench, config, plan, slow_tower_ms, keras_jit_compile)
+                 for bench in benches}
     for workload in workloads.values():
         workload.run(warmup_updates)
     seconds: dict[str, list[float]] = {name: [] for name in workloads}
@@ -62,7 +66,7 @@ def run_benchmark(config: TrainConfig, benches: list[BenchConfig], plan: DeviceP
                                    traffic and traffic.as_dict(), input_rate,
                                    traffic and traffic.busiest_device_bytes,
                                    workload.state_bytes and workload.state_bytes(),
-                                   workload.compute_devices(), seconds[name]))
+                                   workload.compute_devices(), seconds[name], workload.jit_compile))
     return results
 
 
@@ -99,13 +103,31 @@ def format_report(results: list[Measurement], towers: int, batch_size: int) -> s
     for a, b, note in comparisons(list(by_name), batch_size):
         ratio = by_name[a].sec_per_example / by_name[b].sec_per_example
         lines.append(f"time per example, {a} / {b}: {ratio:.3f}" + (f"  ({note})" if note else ""))
+    lines += _against_keras_fit(results, batch_size)
     for m in results:
         if m.input_examples_per_sec:
             lines.append(f"input alone, {m.config}: {m.input_examples_per_sec:.0f} examples/sec, "
                          f"{m.input_examples_per_sec / m.examples_per_sec:.1f}x what its training "
                          "consumes (goal >= 10)")
+    if any(m.jit_compile is not None for m in results):
+        lines.append("compiled with XLA: " + (", ".join(m.config for m in results if m.jit_compile) or "none"))
     lines.append(f"{towers} tower(s), {batch_size} examples per tower per micro-step unless _bB says"
                  + ("; tokens/sec counts every label position, padding included" if per_token else ""))
     lines.append("MB: bytes per update across devices (10^6), counted from the traced graphs; "
                  "'-': one device. computes on: the devices of its convolutions and matmuls, from the same graphs")
     return "\n".join(lines)
+
+
+def _against_keras_fit(results: list[Measurement], batch_size: int) -> list[str]:
+    """For each keras_fit_kK that ran: every other configuration with the same K, as its
+    examples/sec over keras_fit_kK's (images/sec on an image set), what a user of Keras's fit
+    compares; above 1 is faster than Keras."""
+    accum = {m.config: parse_config_name(m.config, batch_size).accum for m in results}
+    lines = []
+    for keras_fit in (m for m in results if m.config.startswith("keras_fit_")):
+        others = [m for m in results if m is not keras_fit and accum[m.config] == accum[keras_fit.config]]
+        if others:
+            lines.append(f"examples/sec / {keras_fit.config}'s: " + ", ".join(
+                f"{m.config} {m.examples_per_sec / keras_fit.examples_per_sec:.3f}" for m in others)
+                + "  (above 1: faster than Keras's fit)")
+    return lines

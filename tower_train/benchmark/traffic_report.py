@@ -12,11 +12,13 @@ if TYPE_CHECKING:
     from tower_train.devices import DevicePlan
 
 
-def measure_traffic(config: TrainConfig, benches: list[BenchConfig], plan: DevicePlan) -> list[dict]:
-    """For each configuration: its global batch and `Traffic.as_dict()` (None on one device)."""
+def measure_traffic(config: TrainConfig, benches: list[BenchConfig], plan: DevicePlan,
+                    keras_jit_compile: bool | str | None = None) -> list[dict]:
+    """For each configuration: its global batch and `Traffic.as_dict()` (None on one device).
+    `keras_jit_compile`: keras_fit's (`build_workload`)."""
     results = []
     for bench in benches:
-        workload = build_workload(bench, config, plan)
+        workload = build_workload(bench, config, plan, keras_jit_compile=keras_jit_compile)
         traffic = workload.traffic and workload.traffic()
         results.append({"config": bench.name, "global_batch": workload.global_batch,
                         "bytes_per_update": traffic and traffic.as_dict(),

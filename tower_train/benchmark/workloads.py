@@ -28,7 +28,8 @@ class Workload:
     moving averages and accumulators each device holds, None for them too. `read_input(n)` reads
     n updates' batches from the same training stream and nothing else, returning the seconds;
     None for a batch held in memory. `compute_devices()`: the devices its update computes on, read
-    from the traced graphs (`traffic.compute_devices`)."""
+    from the traced graphs (`traffic.compute_devices`). `jit_compile`: whether its update compiles
+with XLA (for keras_fit, what Keras decided)."""
 
     run: Callable[[int], float]
     global_batch: int
@@ -37,12 +38,18 @@ class Workload:
     state_bytes: Callable[[], dict[str, int]] | None
     read_input: Callable[[int], float] | None
     compute_devices: Callable[[], list[str]]
+    jit_compile: bool
 
 
 def build_workload(bench: BenchConfig, config: TrainConfig, plan: DevicePlan,
-                   slow_tower_ms: float = 0.0) -> Workload:
+                   slow_tower_ms: float = 0.0, keras_jit_compile: bool | str | None = None) -> Workload:
     """A fresh model and optimizer (seeded by --seed) training as `bench` says; in tower mode,
-    tower 0 waits `slow_tower_ms` per example of its shard (`slow_first_tower`)."""
+    tower 0 waits `slow_tower_ms` per example of its shard (`slow_first_tower`).
+
+    `keras_jit_compile` is what keras_fit passes to Keras's compile() (None: `config`'s
+    jit_compile as handed): the benchmark's --jit_compile as the user gave it, so that with
+    neither --jit_compile nor --nojit_compile ("auto") Keras decides as it does for its users
+    (XLA where a GPU computes), whatever tower-train's own auto chose for the other kinds."""
     import tensorflow as tf
 
     from tower_train.data import catalog
@@ -52,6 +59,7 @@ def build_workload(bench: BenchConfig, config: TrainConfig, plan: DevicePlan,
     from tower_train.training.run import Run, TrainState
     from tower_train.traffic import compute_devices
 
+    keras_jit_compile = config.jit_compile if keras_jit_compile is None else keras_jit_compile
     config = dataclasses.replace(config, batch_size=bench.batch_size, accum=bench.accum,
                                  tower_split=bench.tower_split,
                                  jit_compile=resolve_jit_compile(config, plan)[0])  # the baselines' too
@@ -95,8 +103,11 @@ def build_workload(bench: BenchConfig, config: TrainConfig, plan: DevicePlan,
         # the towers: a GPU on a GPU machine, one logical CPU device (not the host) on a CPU one.
         default_device = plan.tower_devices[0]
         state = TrainState.create(config, spec, source, tf.device(default_device))
-        run, traced = {"plain": _plain, "keras_fit": _keras_fit}[bench.kind](
-            config, default_device, dataset, batch_spec, state, source)
+        if bench.kind == "keras_fit":
+            run, traced, jit_compile = _keras_fit(config, default_device, dataset, batch_spec, state,
+                                                  source, keras_jit_compile)
+        else:
+            run, traced = _plain(config, default_device, dataset, batch_spec, state, source)
         inner = None
 
     def traffic() -> Traffic:
@@ -119,7 +130,8 @@ def build_workload(bench: BenchConfig, config: TrainConfig, plan: DevicePlan,
                     None if inner is None else traffic, None if inner is None else state_bytes,
                     None if bench.input == "memory" else _input_reader(
                         (lambda: iter(dataset)) if inner is None else (lambda: inner.feed(dataset)), bench.accum),
-                    lambda: compute_devices(traced(), default_device))
+                    lambda: compute_devices(traced(), default_device),
+                    jit_compile if bench.kind == "keras_fit" else config.jit_compile)
 
 
 def _input_reader(make_iterator: Callable[[], object], accum: int) -> Callable[[int], float]:
@@ -288,13 +300,18 @@ def _plain(config: TrainConfig, device: str, dataset, batch_spec: tuple, state: 
 
 
 def _keras_fit(config: TrainConfig, device: str, dataset, batch_spec: tuple, state: TrainState,
-               source: Source) -> tuple[Callable[[int], float], Callable[[], list]]:
+               source: Source, jit_compile: bool | str
+               ) -> tuple[Callable[[int], float], Callable[[], list], bool]:
     """What a user would pick instead: Keras's own train step and gradient accumulation, on
     the same network, loss, optimizer and schedule, fed the micro-batch of all towers, on
-    `device`, preprocessed there as the towers do; and its train step traced as fit traces it."""
+    `device`, preprocessed there as the towers do, compiled with `jit_compile` (True, False or
+    "auto") under the global dtype policy of --precision (mixed_bfloat16 for bf16, as a Keras
+    user sets it; the network was built under it too); its train step traced as fit traces it;
+    and whether Keras compiles it with XLA."""
     import keras
     import tensorflow as tf
 
+    from tower_train.model_spec import dtype_policy
     from tower_train.training.run import make_optimizer
     from tower_train.step.towers import prepared
 
@@ -340,9 +357,11 @@ def _keras_fit(config: TrainConfig, device: str, dataset, batch_spec: tuple, sta
         def on_train_batch_end(self, batch, logs=None):
             self.seconds = time.perf_counter() - self.start
 
-    with tf.device(device):  # and Keras's loss tracker
+    # On `device` for Keras's loss tracker; under the policy, so that compile() sees it as it sees
+    # a user's model (mixed_float16: Keras's LossScaleOptimizer).
+    with tf.device(device), dtype_policy(config.precision):
         model = FitModel()
-        model.compile(optimizer=optimizer, jit_compile=config.jit_compile)
+        model.compile(optimizer=optimizer, jit_compile=jit_compile)
     clock = BatchClock()
 
     def run(updates: int) -> float:
@@ -357,4 +376,4 @@ def _keras_fit(config: TrainConfig, device: str, dataset, batch_spec: tuple, sta
         features, labels, weights = batch_spec
         return [tf.function(model.train_step).get_concrete_function((features, labels, weights))]
 
-    return run, traced
+    return run, traced, bool(model.jit_compile)

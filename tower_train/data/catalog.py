@@ -1,6 +1,7 @@
 """The data sets a run names with ``--dataset``: the built-in image sets (``synthetic``,
 ``cifar10``, `tower_train.data.image_sets`), the built-in sequence set (``markov_text``,
-`tower_train.data.text_sets`) and those a user's module registers with
+`tower_train.data.text_sets`), the built-in ImageNet-shaped set (``synthetic_imagenet``,
+`tower_train.data.imagenet_shaped`) and those a user's module registers with
 `tower_train.data.register`.
 
 It imports the built-in sets and `tower_train.data.source`; neither imports it back.
@@ -10,12 +11,15 @@ from __future__ import annotations
 from typing import Callable
 
 from tower_train.data import image_sets
+from tower_train.data import imagenet_shaped
 from tower_train.data import text_sets
 from tower_train.data.source import DataError, Source, register, registered
 from tower_train.user_code import call_user_code
 
-# markov_text is registered as a user's set would be: it takes no --data_dir or --augment.
+# markov_text and synthetic_imagenet are registered as a user's set would be: they take no
+# --data_dir or --augment.
 register("markov_text")(text_sets.markov_text)
+register("synthetic_imagenet")(imagenet_shaped.synthetic_imagenet)
 
 
 def dataset_names() -> tuple[str, ...]:
