@@ -232,3 +232,28 @@ def test_bf16_transfer_rounds_each_remote_towers_gradient_sum_once_and_nothing_e
     # bfloat16 keeps 8 significant bits: each element of tower 1's sum moves by at most 2^-8 of it.
     error = np.linalg.norm(delta(got) - delta(exact)) / np.linalg.norm(delta(exact))
     assert 1e-5 < error < 2 ** -8
+
+
+@pytest.mark.parametrize("where", ["on_its_device", "one_elsewhere"])
+def test_under_xla_one_tower_holding_every_variable_compiles_the_whole_update(where, caplog):
+    """One tower on the parameter device (/cpu:0), K = 2: XLA compiles accumulate and update
+    whole, the apply included, and the update is the plain step's; with a variable the update
+    reads elsewhere (here its step counter) it compiles the passes only and says so in one line."""
+    rule = make_rule()
+    if where == "one_elsewhere":
+        with tf.device(TOWERS[0]):
+            counter = tf.Variable(0, dtype=tf.int64, trainable=False)
+        rule = UpdateRule(rule.model, rule.optimizer, counter)
+    step = TowerStep(rule=rule, tower_devices=(PARAM_DEVICE,), placement=OneDevice(PARAM_DEVICE),
+                     accum=2, shard_sizes=(4,), jit_compile=True)
+    batches = micro_batches((4,), 2)
+    expected_loss, expected = plain_sgd_step(rule.model, batches)
+
+    result = step.run_update(fed(step, batches, False))
+
+    assert result.applied and result.loss == pytest.approx(expected_loss, rel=1e-5)
+    for got, want in zip(values(rule.model.trainable_variables), expected, strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    whole = step._steps != (step.accumulate, step.update)
+    said = [r.getMessage() for r in caplog.records if "XLA compiles the towers' passes only" in r.getMessage()]
+    assert (whole, len(said)) == ((True, 0) if where == "on_its_device" else (False, 1))

@@ -57,6 +57,13 @@ A model with randomness (Dropout) gets, in each tower's pass, the seeds
 micro-step, the tower), computed on the parameter device; the micro-step is
 counted there and set back to 0 at the end of every update.
 
+Under `jit_compile`, with one tower on the parameter device (`--ps_device=gpu`, which `auto`
+picks for one tower on a GPU), XLA compiles the whole of `accumulate` and `update`, the
+reduction and the optimizer's apply too, as Keras compiles its train step, when every variable
+they read is on that device (checked once, from the variables the first update's trace
+captures; else the passes alone are compiled, and one line says why). Elsewhere XLA compiles
+the towers' passes only: it cannot reach across devices.
+
 An update whose total weight is 0, or whose loss or gradient holds a
 non-finite value, is not applied at all: no weight, optimizer slot, counter or
 BatchNorm statistic moves. `UpdateRule.decide` decides, and tower mode, which
@@ -68,9 +75,10 @@ from __future__ import annotations
 from typing import Callable, Iterator, Mapping, Sequence
 
 import tensorflow as tf
+from absl import logging
 
 from tower_train.data.source import Preprocess
-from tower_train.devices import HOST_DEVICE
+from tower_train.devices import HOST_DEVICE, canonical_device
 from tower_train.step.device_feed import feed_devices, shard_specs
 from tower_train.step.inner_step import BatchSpec, Decision, Shards, UpdateResult
 from tower_train.step.pooled_moments import PooledMoments, moment_shapes, moving_layers
@@ -127,6 +135,10 @@ class TowerStep:
         self.refresh_weights = tf.function(self._refresh_weights)
         self.accumulate = tf.function(self._accumulate)
         self.update = tf.function(self._update)
+        # The device XLA may compile whole updates on: the one tower's, which holds the variables.
+        one_device = len(self._devices) == 1 and canonical_device(self._devices[0]) == canonical_device(self.layout.host)
+        self._whole_device = canonical_device(self._devices[0]) if jit_compile and one_device else None
+        self._steps: tuple[Callable, Callable] | None = None  # (accumulate, update), at the first update
 
     @property
     def copies_weights(self) -> bool:
@@ -144,11 +156,34 @@ class TowerStep:
         if self.copies_weights:
             self.refresh_weights()
         # A tuple whichever feed gave the shards: a list would trace the functions again.
+        shards = tuple(next(batches))
+        accumulate, update = self._step_functions(shards)
         for _ in range(self._accum - 1):
-            self.accumulate(tuple(next(batches)))
-        result = UpdateResult(*self.update(tuple(next(batches))))
+            accumulate(shards)
+            shards = tuple(next(batches))
+        result = UpdateResult(*update(shards))
         self.layout.after_update(result)
         return result
+
+    def _step_functions(self, shards: Shards) -> tuple[Callable, Callable]:
+        """(accumulate, update) as the updates call them: compiled whole by XLA on the one device
+        (`_whole_device`) where every variable their traces capture lives there; else `accumulate`
+        and `update` as built."""
+        if self._steps is None:
+            self._steps = self.accumulate, self.update
+            if self._whole_device is not None:
+                compiled = [tf.function(f, jit_compile=True) for f in (self._accumulate, self._update)]
+                elsewhere = sorted({canonical_device(handle.device)
+                                    for f in compiled[self._accum == 1:]
+                                    for handle in f.get_concrete_function(shards).captured_inputs
+                                    if handle.dtype == tf.resource} - {self._whole_device})
+                if elsewhere:
+                    logging.warning("--jit_compile: XLA compiles the towers' passes only, not the whole "
+                                    "update: it reads variables on %s, not only on %s",
+                                    ", ".join(elsewhere), self._whole_device)
+                else:
+                    self._steps = tuple(_called_on(self._whole_device, f) for f in compiled)
+        return self._steps
 
     def sync_state(self) -> None:
         self.layout.sync_state()
@@ -267,3 +302,12 @@ class TowerStep:
             self._rule.refuse(decision)
 
         tf.cond(tf.equal(decision, int(Decision.APPLIED)), applied, refused)
+
+
+def _called_on(device: str, function: Callable) -> Callable:
+    """`function` called under `device`: an XLA cluster runs where its call is placed."""
+    def call(*args):
+        with tf.device(device):
+            return function(*args)
+
+    return call
