@@ -434,4 +434,4 @@ def test_the_import_paths_the_docs_have_shown_users_keep_working():
             tower_train.data.write_examples) == (register, Source, ArraySource, write_examples)
     assert (tower_train.ArraySource, tower_train.Source, tower_train.DatasetSource,
             tower_train.TFRecordSource) == (ArraySource, Source, DatasetSource, TFRecordSource)
-    assert tower_train.keras.fit.__module__ == "tower_train.keras"
+    assert tower_train.keras.fit.__module__ == "tower_train.keras.model_fit"  # the package tower_train/keras/
