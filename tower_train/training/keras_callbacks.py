@@ -57,6 +57,10 @@ class KerasCallbacks(Hook):
         self.weights_written_by: str | None = None
         for callback in self._callbacks:
             callback.set_model(model)
+        # What `reads_state` asks, sorted once: it is asked before every update.
+        self._saying = [callback for callback in self._callbacks if hasattr(callback, "reads_state")]
+        self._batch_hooks = any(not (is_default(callback.on_train_batch_end) and is_default(callback.on_batch_end))
+                                for callback in self._callbacks if not hasattr(callback, "reads_state"))
 
     def stop_asked(self) -> str | None:
         return self._stopped_by if self._model.stop_training else None
@@ -76,9 +80,7 @@ class KerasCallbacks(Hook):
         """Whether a callback is told anything after update `step` that reads the state: one
         with batch-end hooks after every update; `tower_train.keras.fit`'s loop says when (its
         `reads_state`). The others are told epochs at evaluations, which read it anyway."""
-        return any(callback.reads_state(step) if hasattr(callback, "reads_state")
-                   else not (is_default(callback.on_train_batch_end) and is_default(callback.on_batch_end))
-                   for callback in self._callbacks)
+        return self._batch_hooks or any(callback.reads_state(step) for callback in self._saying)
 
     def after_update(self, event: UpdateEvent) -> None:
         logs = {"loss": event.loss}
