@@ -18,16 +18,17 @@ import os
 import signal
 import sys
 import traceback
-from typing import Callable, Iterable
+from typing import Callable, Iterable, NoReturn
 
 from absl import flags, logging
 
 from tower_train.workers import cluster
 from tower_train.workers import peer_watchdog
+from tower_train import cpp_lines
 from tower_train import flags as tt_flags
 from tower_train.config import TrainConfig
 from tower_train.errors import Stopped, TrainingError, UsageError
-from tower_train.quiet_start import native_startup_lines_hidden
+from tower_train.quiet_start import level_set_by_user, native_startup_lines_hidden
 from tower_train.user_code import TRACEBACK_VARIABLE, UserCodeError
 
 PROG = "tower_train"
@@ -163,6 +164,10 @@ def _no_tensorflow_info(record: stdlib_logging.LogRecord) -> bool:
     return record.levelno >= stdlib_logging.ERROR or f"{os.sep}tensorflow{os.sep}" not in record.pathname
 
 
-def run() -> None:
-    """The `tower-train` console script and `python -m tower_train`."""
-    sys.exit(main())
+def run(command_main: Callable[[], int] = main) -> NoReturn:
+    """A command's process (`tower-train`, `python -m tower_train` and every other command's
+    `python -m`): TensorFlow's C++ log lines filtered out of its stderr (cpp_lines.py) unless
+    the user set TF_CPP_MIN_LOG_LEVEL, then `command_main`, whose status it exits with."""
+    if not level_set_by_user():
+        cpp_lines.filter_stderr()
+    sys.exit(command_main())

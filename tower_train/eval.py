@@ -29,7 +29,7 @@ from absl import flags
 
 from tower_train import flags as tt_flags
 from tower_train import startup
-from tower_train.cli import command, load_tensorflow, parse_config
+from tower_train.cli import command, load_tensorflow, parse_config, run
 
 if TYPE_CHECKING:  # TensorFlow loads only once the flags are checked
     from tower_train.training.evaluation.held_out import Evaluation
@@ -127,4 +127,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run(main)

@@ -53,6 +53,7 @@ from tower_train import flags as tt_flags
 from tower_train.config import TrainConfig
 from tower_train.rules import WORKERS_MODE
 from tower_train.errors import UsageError
+from tower_train.quiet_start import users_environment
 
 PROG = "tower_train.launch"
 USAGE = """python -m tower_train.launch --workers=N [--port=P] -- <training flags>
@@ -205,7 +206,7 @@ class _WorkerGroup:
             self._processes.append(subprocess.Popen(
                 [sys.executable, "-m", "tower_train", f"--mode={WORKERS_MODE}", *training_args],
                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                env={**os.environ, "TF_CONFIG": tf_config, "CUDA_VISIBLE_DEVICES": gpus_of_worker(
+                env={**users_environment(), "TF_CONFIG": tf_config, "CUDA_VISIBLE_DEVICES": gpus_of_worker(
                     index, gpus_per_worker, os.environ.get("CUDA_VISIBLE_DEVICES"))}, start_new_session=True,
                 preexec_fn=_stop_when_the_launcher_dies(os.getpid())))
         self._say("started " + ", ".join(
@@ -414,4 +415,4 @@ def _launch_command(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli.run(main)

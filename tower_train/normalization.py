@@ -27,7 +27,7 @@ from absl import flags
 
 from tower_train import flags as tt_flags
 from tower_train import startup
-from tower_train.cli import command, load_tensorflow, parse_config
+from tower_train.cli import command, load_tensorflow, parse_config, run
 from tower_train.errors import UsageError
 
 if TYPE_CHECKING:
@@ -98,5 +98,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run(main)
 

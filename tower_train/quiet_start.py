@@ -5,7 +5,8 @@ one-line errors and the device plan's log line, which says the same in plain wor
 The command line loads TensorFlow where they are hidden (`cli.load_tensorflow`). `import
 tower_train` calls `quiet_tensorflow_start`, so that a Python-API script that imports tower_train
 before keras or tensorflow prints none of them either. A user who sets TF_CPP_MIN_LOG_LEVEL gets
-TensorFlow's own behaviour, untouched.
+TensorFlow's own behaviour, untouched: the commands' filter of TF's C++ log lines
+(cpp_lines.py) asks `level_set_by_user`.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from typing import Iterator
 from tower_train.errors import UsageError
 
 LEVEL_VARIABLE = "TF_CPP_MIN_LOG_LEVEL"
+_level_set_here = False  # by quiet_tensorflow_start, in this process
 
 
 def quiet_tensorflow_start() -> None:
@@ -28,10 +30,25 @@ def quiet_tensorflow_start() -> None:
     2, which hides TF's C++ info and warnings once it runs, and has TensorFlow's first import run
     in `native_startup_lines_hidden`, for what it prints while loading, before any log level
     applies."""
+    global _level_set_here
     if LEVEL_VARIABLE in os.environ or "tensorflow" in sys.modules:
         return
     os.environ[LEVEL_VARIABLE] = "2"
+    _level_set_here = True
     sys.meta_path.insert(0, _FirstTensorFlowImport())
+
+
+def level_set_by_user() -> bool:
+    """Whether the environment's TF_CPP_MIN_LOG_LEVEL is the user's, not `quiet_tensorflow_start`'s."""
+    return LEVEL_VARIABLE in os.environ and not _level_set_here
+
+
+def users_environment() -> dict[str, str]:
+    """This process's environment as the user gave it, for a command that it starts (a worker of
+    the launcher), which then decides as one that the user started would: without the
+    TF_CPP_MIN_LOG_LEVEL that `quiet_tensorflow_start` set, which it would take for the user's."""
+    return {name: value for name, value in os.environ.items()
+            if name != LEVEL_VARIABLE or level_set_by_user()}
 
 
 @contextlib.contextmanager

@@ -1,6 +1,5 @@
 """`python -m tower_train.benchmark`."""
-import sys
-
 from tower_train.benchmark import main
+from tower_train.cli import run
 
-sys.exit(main())
+run(main)
