@@ -138,7 +138,7 @@ class TowerStep:
         # The device XLA may compile whole updates on: the one tower's, which holds the variables.
         one_device = len(self._devices) == 1 and canonical_device(self._devices[0]) == canonical_device(self.layout.host)
         self._whole_device = canonical_device(self._devices[0]) if jit_compile and one_device else None
-        self._steps: tuple[Callable, Callable] | None = None  # (accumulate, update), at the first update
+        self._steps: tuple[Callable | None, Callable] | None = None  # (accumulate, update), at the first update
 
     @property
     def copies_weights(self) -> bool:
@@ -165,24 +165,33 @@ class TowerStep:
         self.layout.after_update(result)
         return result
 
-    def _step_functions(self, shards: Shards) -> tuple[Callable, Callable]:
-        """(accumulate, update) as the updates call them: compiled whole by XLA on the one device
-        (`_whole_device`) where every variable their traces capture lives there; else `accumulate`
-        and `update` as built."""
+    def _step_functions(self, shards: Shards) -> tuple[Callable | None, Callable]:
+        """(accumulate, update) as the updates call them (accumulate None at K = 1, where it never
+        runs): the concrete functions of the first update's shards, whose shapes every
+        micro-batch of a stream has (examples of fully known shape, in micro-batches of one size:
+        `data/source.py`). Calling a concrete function skips the dispatch on its arguments'
+        types that a tf.function makes on every call: a third of the update time of the dense
+        model in docs/performance.md's comparison with Keras's fit. Compiled whole by XLA on the
+        one device (`_whole_device`) where every variable their traces capture lives there; else
+        `accumulate` and `update` as built."""
         if self._steps is None:
-            self._steps = self.accumulate, self.update
+            def traced(functions: tuple) -> tuple:
+                return (functions[0].get_concrete_function(shards) if self._accum > 1 else None,
+                        functions[1].get_concrete_function(shards))
+
             if self._whole_device is not None:
-                compiled = [tf.function(f, jit_compile=True) for f in (self._accumulate, self._update)]
+                compiled = traced(tuple(tf.function(f, jit_compile=True) for f in (self._accumulate, self._update)))
                 elsewhere = sorted({canonical_device(handle.device)
-                                    for f in compiled[self._accum == 1:]
-                                    for handle in f.get_concrete_function(shards).captured_inputs
+                                    for f in compiled if f is not None for handle in f.captured_inputs
                                     if handle.dtype == tf.resource} - {self._whole_device})
                 if elsewhere:
                     logging.warning("--jit_compile: XLA compiles the towers' passes only, not the whole "
                                     "update: it reads variables on %s, not only on %s",
                                     ", ".join(elsewhere), self._whole_device)
                 else:
-                    self._steps = tuple(_called_on(self._whole_device, f) for f in compiled)
+                    self._steps = tuple(f and _called_on(self._whole_device, f) for f in compiled)
+            if self._steps is None:
+                self._steps = traced((self.accumulate, self.update))
         return self._steps
 
     def sync_state(self) -> None:
