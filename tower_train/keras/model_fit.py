@@ -147,6 +147,10 @@ def fit(model: keras.Model, x: Any = None, y: Any = None, batch_size: int | None
     options.setdefault("jit_compile", bool(model.jit_compile))
     options.setdefault("sparse_steps", True)  # an Embedding's rows per occurrence, as Keras steps them
     options.setdefault("bn_statistics", "per_update")  # BN's moving statistics as Keras's fit at G moves them
+    # A log line and TensorBoard point at each epoch's end, where Keras's fit reports: one every
+    # 10 updates read the state and wrote summaries between Keras's reads (20% of a small
+    # model's epoch, docs/performance.md).
+    options.setdefault("log_every", per_epoch)
     if given_dir is None:  # nothing resumes from it: only the save at the end, which is required
         options.setdefault("checkpoint_every", sum(lengths))  # the last update's
     try:

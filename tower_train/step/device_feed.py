@@ -57,7 +57,9 @@ def feed_devices(dataset: tf.data.Dataset, devices: Sequence[str], shard_sizes: 
         copy_ahead = copies_ahead(devices)
     with tf.device(host):
         if not copy_ahead:
-            return iter(dataset.map(lambda *batch: tuple(split_batch(batch, shard_sizes))))
+            # Cut ahead too: a cut made at `next()` would hold up each micro-step.
+            return iter(dataset.map(lambda *batch: tuple(split_batch(batch, shard_sizes)))
+                        .prefetch(DEVICE_PREFETCH))
 
         def cut(*batch) -> tf.data.Dataset:
             pieces = [tf.data.Dataset.from_tensors(shard) for shard in split_batch(batch, shard_sizes)]
