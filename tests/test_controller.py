@@ -124,10 +124,10 @@ class ScriptedStep:
         self.held_is_finite = True
         self.order: list[tuple[str, int]] = []
 
-    def run_update(self, batches):
+    def run_update(self, batches, at_once=None):
         taken = [next(batches) for _ in range(self.accum)]
         self.calls.append(dict(step_before=int(self.state.step.numpy()), batches=taken,
-                               local_work=self.clock.in_local_work))
+                               local_work=self.clock.in_local_work, at_once=at_once))
         if len(self.calls) in self.during:
             self.during[len(self.calls)]()
         assert len(self.calls) <= len(self.script), "the Controller asked for more updates than scripted"
@@ -523,6 +523,32 @@ def test_a_long_update_logs_how_far_it_is(tmp_path, monkeypatch):
     run.controller.run()
     notes = [re.sub(r" \(\d+ s so far\)$", "", line) for line in run.logged if "micro-step" in line]
     assert notes == [f"update {u}: micro-step {m} of 2" for u in (1, 2) for m in (1, 2)]
+    # After a long update the next takes its micro-batches one by one, which say how far it is.
+    assert [call["at_once"] for call in run.inner.calls] == [None, None]
+
+
+def test_after_the_first_update_the_step_may_read_an_updates_micro_batches_in_one_call(tmp_path):
+    run = Run(tmp_path, [applied(3.0), applied(2.0), applied(1.0)], max_steps=3, accum=2)
+
+    run.controller.run()
+    # The first update traces, micro-step by micro-step; the stream itself is offered after it.
+    assert [call["at_once"] for call in run.inner.calls] == [None, run.controller.batches, run.controller.batches]
+
+
+@pytest.mark.parametrize("node", ["while/body/_1/while/IteratorGetNext", "MultiDeviceIteratorGetNextFromShard"])
+def test_an_error_of_the_iterator_read_inside_the_update_is_the_input_pipelines(tmp_path, node):
+    def input_fails():
+        # What TensorFlow raises when a py_function of the stream fails under a get_next in a
+        # function: UnknownError, not one of the update's own op errors.
+        raise tf.errors.UnknownError(None, None, "RuntimeError: example 40 is unreadable\n\t "
+                                     f"[[{{{{node EagerPyFunc}}}}]]\n\t [[{node}]] [Op:__inference_x_1]")
+
+    run = Run(tmp_path, [applied(3.0), applied(2.0)], max_steps=2, accum=2, during={2: input_fails})
+
+    with pytest.raises(TrainingError) as raised:
+        run.controller.run()
+    assert str(raised.value) == ("update 2 failed in the input pipeline: RuntimeError: example 40 is "
+                                 "unreadable; the last good checkpoint is none")
 
 
 class ReadsStateEvery(RecordingHook):

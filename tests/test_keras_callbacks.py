@@ -466,8 +466,8 @@ def test_keras_fit_queues_each_update_before_it_reads_the_last_except_at_an_epoc
     order, numbers, kept = [], {}, []  # kept: no result's id is reused while the run goes on
     run_update, values = TowerStep.run_update, UpdateResult._values
 
-    def noted_run(self, batches):
-        result = run_update(self, batches)
+    def noted_run(self, batches, at_once=None):
+        result = run_update(self, batches, at_once)
         kept.append(result)
         numbers[id(result)] = len(numbers) + 1
         order.append(("run", numbers[id(result)]))

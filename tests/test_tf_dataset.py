@@ -207,12 +207,15 @@ def failing_at_40() -> tf.data.Dataset:
     return checked.map(lambda i: (tf.gather(features, i), tf.gather(labels, i)))
 
 
-def test_a_pipeline_that_raises_mid_run_is_one_training_error_naming_it_with_the_checkpoints_kept(tmp_path):
+# At K = 4 the update reads its micro-batches inside one call after the first (TowerStep.run_update).
+@pytest.mark.parametrize("accum", [1, 4])
+def test_a_pipeline_that_raises_mid_run_is_one_training_error_naming_it_with_the_checkpoints_kept(tmp_path, accum):
     train_dir = tmp_path / "run"
     with pytest.raises(tower_train.TrainingError) as error:
         tower_train.fit(model=sequential(), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                         data=tower_train.DatasetSource(train=failing_at_40, num_classes=CLASSES),
-                        train_dir=train_dir, num_gpus=2, batch_size=4, max_steps=8, checkpoint_every=1)
+                        train_dir=train_dir, num_gpus=2, batch_size=4 // accum, accum=accum, max_steps=8,
+                        checkpoint_every=1)
     assert str(error.value) == ("update 6 failed in the input pipeline: RuntimeError: example 40 is unreadable; "
                                 f"the last good checkpoint is {train_dir / 'ckpt-5'}")
     assert int(tf.train.load_variable(str(train_dir / "ckpt-5"), "step/.ATTRIBUTES/VARIABLE_VALUE")) == 5

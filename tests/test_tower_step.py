@@ -55,6 +55,27 @@ def accumulators(step: TowerStep) -> list[np.ndarray]:
     return values(step.variable_roles()["gradients"])
 
 
+
+@pytest.mark.parametrize("copy_ahead", [False, True], ids=["shards_on_the_host", "copied_ahead"])
+def test_after_the_first_update_the_k_micro_steps_run_in_one_call_reading_the_feed(copy_ahead):
+    """K = 3 on 2 towers: the second update, given the feed's iterator `at_once`, reads its
+    micro-batches inside one call and is the plain step on its concatenated batch, as the first,
+    made micro-step by micro-step, is."""
+    rule = make_rule()
+    step = TowerStep(rule=rule, tower_devices=TOWERS, placement=OneDevice(PARAM_DEVICE),
+                     accum=3, shard_sizes=(3, 2))
+    first, second = micro_batches((3, 2), 3, seed=1), micro_batches((3, 2), 3, seed=2)
+    iterator = fed(step, first + second, copy_ahead)
+    for batches in (first, second):
+        expected_loss, expected = plain_sgd_step(rule.model, batches)
+        result = step.run_update(iterator, at_once=iterator)
+        assert result.applied and result.loss == pytest.approx(expected_loss, rel=1e-5)
+        for got, want in zip(values(rule.model.trainable_variables), expected, strict=True):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    assert int(rule.step.numpy()) == 2
+    # The second update was one call, which read the feed: the micro-step functions ran once.
+    assert len(step._micro_steps._list_all_concrete_functions()) == 1
+
 @pytest.mark.parametrize("copy_ahead", [False, True], ids=["shards_on_the_host", "copied_ahead"])
 @pytest.mark.parametrize("tower_weights", ["per_update", "per_micro_step"])
 @pytest.mark.parametrize("shard_sizes", [(3, 3), (4, 1)], ids=["even", "uneven"])

@@ -70,7 +70,7 @@ _OP_NOISE = re.compile(r"\{\{function_node [^}]*\}\}|\{\{node [^}]*\}\}|\[Op:[^\
                        r"Error in user-defined function passed to \S+ transformation with iterator: \S+: ")
 # Whole lines of it: the headline, where the node was defined (and its stack frames), the
 # nodes an error passed through, the count of root errors and of operations.
-_OP_NOISE_LINE = re.compile(r"Graph execution error:|Detected at node .*|File \".*|\[\[.*\]\]|"
+_OP_NOISE_LINE = re.compile(r"Graph execution error:|Detected at node .*|<stack traces unavailable>|File \".*|\[\[.*\]\]|"
                             r"\d+ root error\(s\) found\.|\d+ successful operations\.|"
                             r"\d+ derived errors ignored\.")
 _ROOT_ERROR = re.compile(r"^\(\d+\) [A-Z_]+: +")  # "(0) INVALID_ARGUMENT: " before each root error

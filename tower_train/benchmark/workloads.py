@@ -248,7 +248,7 @@ def _updates(inner, dataset) -> Callable[[int], float]:
     def run(updates: int) -> float:
         start = time.perf_counter()
         for _ in range(updates):
-            inner.run_update(batches)  # its result is read: waits for the update
+            inner.run_update(batches, at_once=batches)  # its result is read: waits for the update
         return time.perf_counter() - start
 
     return run

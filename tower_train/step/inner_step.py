@@ -85,9 +85,10 @@ class InnerStep(Protocol):
         into this process's towers' or replicas' shards, each copied ahead to its device if
         `copy_ahead`; None: if that is an accelerator (`device_feed.feed_devices`)."""
 
-    def run_update(self, batches: Iterator[Shards]) -> UpdateResult:
+    def run_update(self, batches: Iterator[Shards], at_once: object | None = None) -> UpdateResult:
         """Takes K global micro-batches (`feed`'s) from `batches` and applies one update, or
-        refuses it."""
+        refuses it. `at_once`: the iterator `feed` gave, under `batches`, which the step may
+        read the K micro-batches from inside one call instead (not advancing `batches`)."""
 
     def traced_update(self, spec: BatchSpec) -> list[tuple[object, int]]:
         """The concrete functions one update runs on global micro-batches of `spec` (traced now

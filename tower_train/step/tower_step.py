@@ -139,6 +139,7 @@ class TowerStep:
         one_device = len(self._devices) == 1 and canonical_device(self._devices[0]) == canonical_device(self.layout.host)
         self._whole_device = canonical_device(self._devices[0]) if jit_compile and one_device else None
         self._steps: tuple[Callable | None, Callable] | None = None  # (accumulate, update), at the first update
+        self._micro_steps = tf.function(self._all_micro_steps)
 
     @property
     def copies_weights(self) -> bool:
@@ -150,18 +151,23 @@ class TowerStep:
         `copy_ahead` (None: if that is an accelerator; `device_feed.feed_devices`)."""
         return feed_devices(dataset, self._devices, self._shard_sizes, HOST_DEVICE, copy_ahead)
 
-    def run_update(self, batches: Iterator[Shards]) -> UpdateResult:
-        """Takes K global micro-batches (`feed`'s) from `batches` and applies one update."""
+    def run_update(self, batches: Iterator[Shards], at_once: object | None = None) -> UpdateResult:
+        """Takes K global micro-batches (`feed`'s) from `batches` and applies one update. At K > 1,
+        after the first update, the K micro-steps run in one call reading `at_once` (`feed`'s
+        iterator) inside it, where given: Python's cost per update then stays that of one call."""
         self.layout.before_update()
         if self.copies_weights:
             self.refresh_weights()
-        # A tuple whichever feed gave the shards: a list would trace the functions again.
-        shards = tuple(next(batches))
-        accumulate, update = self._step_functions(shards)
-        for _ in range(self._accum - 1):
-            accumulate(shards)
+        if at_once is not None and self._accum > 1 and self._steps is not None:
+            result = UpdateResult(*self._micro_steps(at_once))
+        else:
+            # A tuple whichever feed gave the shards: a list would trace the functions again.
             shards = tuple(next(batches))
-        result = UpdateResult(*update(shards))
+            accumulate, update = self._step_functions(shards)
+            for _ in range(self._accum - 1):
+                accumulate(shards)
+                shards = tuple(next(batches))
+            result = UpdateResult(*update(shards))
         self.layout.after_update(result)
         return result
 
@@ -193,6 +199,14 @@ class TowerStep:
             if self._steps is None:
                 self._steps = traced((self.accumulate, self.update))
         return self._steps
+
+    def _all_micro_steps(self, iterator) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor, tf.Tensor]:
+        """An update's K micro-steps reading `iterator` (`feed`'s): `_step_functions`' accumulate
+        K - 1 times in a loop, then its update, called as traced (their graphs are not traced again)."""
+        accumulate, update = self._steps
+        for _ in tf.range(self._accum - 1):
+            accumulate(tuple(iterator.get_next()))
+        return update(tuple(iterator.get_next()))
 
     def sync_state(self) -> None:
         self.layout.sync_state()

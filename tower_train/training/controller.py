@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
+import re
 import signal
 import time
 from typing import Callable, Iterator, Mapping, Sequence
@@ -29,6 +30,8 @@ from tower_train.training.stop_signals import StopSignals
 from tower_train.user_code import UserCodeError
 
 LONG_UPDATE_NOTE = 10.0  # seconds: an update that takes longer says how far it is, this often
+# The node TensorFlow names in an op error raised by an iterator's get_next inside a function.
+_ITERATOR_OP = re.compile(r"\[\[[^\]]*IteratorGetNext[^\]]*\]\]")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -105,6 +108,7 @@ class Controller:
         # examples_seen when saved and at the end: an eager assign per update is a host op of its
         # own (0.1 ms, on a small model's update of 2-3 ms).
         self._position = _value(self.state.examples_seen)
+        self._last_seconds = 0.0  # the last update's, from its queueing to its read
         self._loss: float | None = None
         if self._step >= self.config.max_steps:
             self.log("step %d already reaches --max_steps=%d: nothing to train", self._step,
@@ -136,25 +140,33 @@ class Controller:
         """Queues the next update (`number`, if the one in flight is applied) on the devices."""
         self._tell("update_begin", number)
         start = time.perf_counter()
+        # The step may read the update's micro-batches inside one call, unless the last update
+        # took long enough that its micro-steps should say how far they are (`_noted`).
+        at_once = self.batches if not tracing and self._last_seconds < LONG_UPDATE_NOTE else None
         try:
             with self.watchdog.local_work() if tracing else contextlib.nullcontext():
-                result = self.inner.run_update(self._noted(number, start))
+                result = self.inner.run_update(self._noted(number, start), at_once)
                 if tracing:  # the first update traces: its watchdog covers its run too
                     result.applied  # noqa: B018 (the read)
         except _InputFailed as failed:
-            # A malformed, corrupted or deleted file; the user's map or py_function raising.
-            raise TrainingError(f"update {number} failed in the input "
-                                f"pipeline: {self.describe_error(failed.error)}; the last good "
-                                f"checkpoint is {self.last_checkpoint or 'none'}") from None
-        except RUN_OP_ERRORS as e:
-            # A label out of range, a model's assertion.
-            raise TrainingError(f"update {number} failed: "
-                                f"{self.describe_error(e)}; the last good checkpoint is "
-                                f"{self.last_checkpoint or 'none'}") from None
+            raise self._failed(number, failed.error, in_input=True) from None
+        except tf.errors.OpError as e:
+            if not _fails_the_run(e):
+                raise
+            raise self._failed(number, e) from None
         except UsageError as e:  # a check of the update's first trace (step/towers.py)
             raise UsageError(traced_message(e)) from None
         self._position += self.global_batch
         return _Dispatched(result, start)
+
+    def _failed(self, number: int, error: tf.errors.OpError, in_input: bool = False) -> TrainingError:
+        """The error that ends the run at update `number`, from an op error of its input
+        (`in_input`, or an iterator's op inside the update's call that read its micro-batches:
+        a malformed, corrupted or deleted file, the user's map or py_function raising) or of the
+        update itself (a label out of range, a model's assertion)."""
+        where = " in the input pipeline" if in_input or _in_input(error) else ""
+        return TrainingError(f"update {number} failed{where}: {self.describe_error(error)}; the last "
+                             f"good checkpoint is {self.last_checkpoint or 'none'}")
 
     def _may_overlap(self, number: int) -> bool:
         """Whether the next update may be queued before the result of update `number` (its
@@ -174,10 +186,11 @@ class Controller:
         try:
             result = update.result
             result.applied  # noqa: B018 (the read, which waits for the update)
-        except RUN_OP_ERRORS as e:
-            raise TrainingError(f"update {self._step + 1} failed: {self.describe_error(e)}; the last "
-                                f"good checkpoint is {self.last_checkpoint or 'none'}") from None
-        seconds = time.perf_counter() - update.start
+        except tf.errors.OpError as e:
+            if not _fails_the_run(e):
+                raise
+            raise self._failed(self._step + 1, e) from None
+        seconds = self._last_seconds = time.perf_counter() - update.start
         self.watchdog.progress()
         if not result.applied:
             stopping = self._refused(result)
@@ -328,6 +341,17 @@ class Controller:
                                 f"is {last_good}")
         self.log("%s; skipped (%d in a row, %d in all)", what, self.skipped_in_a_row, self.skipped)
         return None
+
+
+def _in_input(error: tf.errors.OpError) -> bool:
+    """Whether `error` came from an iterator's get_next inside a function (`InnerStep.run_update`'s
+    `at_once`), which names its node: of any kind, as a micro-batch's `next()` (`_noted`)."""
+    return _ITERATOR_OP.search(error.message) is not None
+
+
+def _fails_the_run(error: tf.errors.OpError) -> bool:
+    """Whether an update's op error is the data's or the model's fault, said in one line."""
+    return isinstance(error, RUN_OP_ERRORS) or _in_input(error)
 
 
 def _value(variable: tf.Variable) -> int:
