@@ -39,7 +39,8 @@ cli.run(main)
 """
 
 
-def run_script(env_level: str | None, before: str = "pass", after: str = "pass") -> subprocess.CompletedProcess:
+def run_script(env_level: str | None, before: str = "pass",
+               after: str = "pass") -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}  # conftest sets it
     env["PYTHONPATH"] = ROOT
     if env_level is not None:
@@ -123,3 +124,19 @@ def test_a_commands_one_line_error_and_status_reach_stderr_without_the_cpp_line(
                                env={**env, "PYTHONPATH": ROOT, "TF_CPP_MIN_LOG_LEVEL": "2"}, timeout=300)
     assert untouched.returncode == 2
     assert untouched.stderr == AUTOTUNER.decode() + failed.stderr
+
+
+# What the launcher hands its workers, each a command of its own that decides as the launcher did.
+WORKER_ENVIRONMENT = """import os, tower_train
+from tower_train.quiet_start import level_set_by_user, users_environment
+print(os.environ.get("TF_CPP_MIN_LOG_LEVEL"), level_set_by_user(), users_environment().get("TF_CPP_MIN_LOG_LEVEL"))
+"""
+
+
+def test_a_worker_gets_the_users_tf_cpp_min_log_level_and_not_the_one_set_by_import():
+    env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
+    for level, printed in ((None, "2 False None"), ("1", "1 True 1")):
+        child_env = {**env, "PYTHONPATH": ROOT, **({"TF_CPP_MIN_LOG_LEVEL": level} if level else {})}
+        shown = subprocess.run([sys.executable, "-c", WORKER_ENVIRONMENT], capture_output=True, text=True,
+                               cwd=ROOT, env=child_env, timeout=60)
+        assert shown.stdout.strip() == printed, shown.stderr
