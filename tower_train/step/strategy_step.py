@@ -115,9 +115,10 @@ class StrategyStep:
         host = tf.DeviceSpec.from_string(devices[0]).replace(device_type="CPU", device_index=0).to_string()
         return feed_devices(dataset, devices, self._shard_sizes, host, copy_ahead)
 
-    def run_update(self, batches: Iterator[Shards]) -> UpdateResult:
+    def run_update(self, batches: Iterator[Shards], at_once: object | None = None) -> UpdateResult:
         """Takes K micro-batches (`feed`'s) from `batches` and applies one update, or refuses it
-        when the total weight is 0 or a non-finite value on any replica would reach the weights."""
+        when the total weight is 0 or a non-finite value on any replica would reach the weights.
+        `at_once` is not used: the host reads each update's decision between its calls."""
         # A tuple whichever feed gave the shards: a list would trace the functions again.
         for _ in range(self._accum - 1):
             self.accumulate(tuple(next(batches)))
