@@ -29,4 +29,27 @@ def test_the_report_gives_each_trainers_best_epoch_and_their_ratio():
     assert result.ratio == 0.44 / 0.4
     header, row = format_keras_report([result]).splitlines()
     assert "goal <= 1.15" in header
-    assert row.split() == ["lstm", "64", "2048", "0.400", "0.440", "1.10"]
+    assert row.split() == ["lstm", "64", "1", "2048", "0.400", "0.440", "1.10"]
+
+
+def test_an_accumulating_model_trains_k_micro_batches_per_update_in_both_trainers(monkeypatch):
+    import tower_train.keras
+
+    monkeypatch.setattr(keras_epochs, "MODELS", {"tiny_k2": tiny})
+    monkeypatch.setattr(keras_epochs, "ACCUM", {"tiny_k2": 2})
+    seen = []  # (trainer, K) of every fit
+    keras_fit, ours = keras.Model.fit, tower_train.keras.fit
+
+    def spied_keras_fit(model, *args, **kwargs):
+        seen.append(("keras", model.optimizer.gradient_accumulation_steps))
+        return keras_fit(model, *args, **kwargs)
+
+    def spied_ours(model, *args, **kwargs):
+        seen.append(("tower_train", kwargs["accum"]))
+        return ours(model, *args, **kwargs)
+
+    monkeypatch.setattr(keras.Model, "fit", spied_keras_fit)
+    monkeypatch.setattr(tower_train.keras, "fit", spied_ours)
+    (result,) = measure_keras_epochs(rounds=1, epochs=2)
+    assert seen == [("keras", 2), ("tower_train", 2)] and result.accum == 2
+    assert format_keras_report([result]).splitlines()[1].split()[:4] == ["tiny_k2", "16", "2", "64"]

@@ -3,7 +3,9 @@ own `model.fit`, on the same compiled model, data and batch: what a Keras user c
 
 Two models, the issue's: a small LSTM classifier (Embedding(500, 32), LSTM(32), Dense(2),
 `accuracy`, b = 64, 2,048 sequences of 40 tokens) and a dense regressor (128-128-1, `mae`,
-b = 128, 8,192 examples), both under Adam with `shuffle=False`. Each try trains a fresh copy
+b = 128, 8,192 examples), both under Adam with `shuffle=False`; and the dense regressor again
+in updates of K = 8 micro-batches of 16 (`dense_k8`: `accum=8` against Keras's
+`gradient_accumulation_steps=8`), where Python's cost per micro-step shows. Each try trains a fresh copy
 from the same initial weights for EPOCHS epochs and times every epoch but the first
 (tracing); the tries alternate between the two trainers, --rounds times, and the report takes
 each trainer's best epoch, since on a shared machine the other jobs only ever add time.
@@ -27,6 +29,7 @@ class KerasEpochs:
     examples: int
     keras_seconds: list[float]  # every timed epoch of every try, in order
     tower_train_seconds: list[float]
+    accum: int = 1  # micro-batches of batch_size per update
 
     @property
     def ratio(self) -> float:
@@ -54,7 +57,12 @@ def _dense():
     return model, x, x[:, :4].sum(axis=1, keepdims=True), "mse", "mae", 128
 
 
-MODELS: dict[str, Callable] = {"lstm": _lstm, "dense": _dense}
+def _dense_k8():
+    return (*_dense()[:5], 16)
+
+
+MODELS: dict[str, Callable] = {"lstm": _lstm, "dense": _dense, "dense_k8": _dense_k8}
+ACCUM = {"dense_k8": 8}  # micro-batches per update; 1 for the others
 
 
 def _timed_epochs(train: Callable[[list], object]) -> list[float]:
@@ -88,30 +96,32 @@ def measure_keras_epochs(rounds: int, epochs: int = EPOCHS) -> list[KerasEpochs]
     for name, make in MODELS.items():
         keras.utils.set_random_seed(SEED)
         network, x, y, loss, metric, batch_size = make()
-        initial = network.get_weights()
+        initial, accum = network.get_weights(), ACCUM.get(name, 1)
 
-        def fresh():
+        def fresh(keras_accumulates: bool):
             model = keras.models.clone_model(network)
             model.set_weights(initial)
-            model.compile(optimizer=keras.optimizers.Adam(1e-3), loss=loss, metrics=[metric])
+            steps = accum if keras_accumulates and accum > 1 else None
+            model.compile(optimizer=keras.optimizers.Adam(1e-3, gradient_accumulation_steps=steps),
+                          loss=loss, metrics=[metric])
             return model
 
         own, ours = [], []
         for _ in range(rounds):
-            own += _timed_epochs(lambda callbacks: fresh().fit(
+            own += _timed_epochs(lambda callbacks: fresh(True).fit(
                 x, y, batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0,
                 callbacks=callbacks))
             ours += _timed_epochs(lambda callbacks: tower_train.keras.fit(
-                fresh(), x, y, batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0,
-                callbacks=callbacks, num_gpus=1))
-        results.append(KerasEpochs(name, batch_size, len(x), own, ours))
+                fresh(False), x, y, batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0,
+                callbacks=callbacks, num_gpus=1, accum=accum))
+        results.append(KerasEpochs(name, batch_size, len(x), own, ours, accum))
     return results
 
 
 def format_keras_report(results: list[KerasEpochs]) -> str:
-    lines = [f"{'model':<8} {'b':>4} {'examples':>8} {'keras s/epoch':>14} "
+    lines = [f"{'model':<8} {'b':>4} {'K':>2} {'examples':>8} {'keras s/epoch':>14} "
              f"{'tower_train s/epoch':>20} {'ratio':>6}  (best epoch after the first; goal <= 1.15)"]
     for r in results:
-        lines.append(f"{r.model:<8} {r.batch_size:>4} {r.examples:>8} {min(r.keras_seconds):>14.3f} "
-                     f"{min(r.tower_train_seconds):>20.3f} {r.ratio:>6.2f}")
+        lines.append(f"{r.model:<8} {r.batch_size:>4} {r.accum:>2} {r.examples:>8} "
+                     f"{min(r.keras_seconds):>14.3f} {min(r.tower_train_seconds):>20.3f} {r.ratio:>6.2f}")
     return "\n".join(lines)
