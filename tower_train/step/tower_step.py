@@ -1,7 +1,10 @@
 """Tower mode's inner step: towers on their devices, variables on the parameter device.
 
-An update of K micro-steps is K - 1 calls of `accumulate` and one of `update`,
-each a separate tf.function, so that no `tf.cond` decides whether to apply:
+An update of K micro-steps is K - 1 runs of `accumulate` and one of `update`,
+each a function of its own, so that no `tf.cond` decides whether to apply. The
+first update calls them one by one from Python; later ones, given the feed's
+iterator (`run_update`'s `at_once`), run all K in one call that reads the
+micro-batches inside it, so that Python's cost per update does not grow with K:
 
 - `accumulate` runs every tower on its shard and adds its gradient, its
   weighted loss sum and its weight sum to accumulators on the tower's own
