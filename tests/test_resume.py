@@ -11,13 +11,16 @@ import textwrap
 import numpy as np
 import pytest
 
+import tower_train
 from helpers import read_until
 from test_cli_errors import ROOT, run_cli
 from test_modes import kill_running, start_workers
 from test_train import checkpoint_values
 
-EXACT = ["--num_gpus=2", "--accum=3", "--batch_size=8", "--optimizer=momentum", "--augment",
-         "--deterministic", "--log_every=1", "--checkpoint_every=100"]
+# As the command's flags, and as options of tower_train.fit for the uninterrupted reference.
+EXACT_OPTIONS = dict(num_gpus=2, accum=3, batch_size=8, optimizer="momentum", augment=True,
+                     deterministic=True, log_every=1, checkpoint_every=100)
+EXACT = [f"--{name}" if value is True else f"--{name}={value}" for name, value in EXACT_OPTIONS.items()]
 
 
 def hangup_stops():
@@ -67,28 +70,12 @@ def test_sigterm_stops_at_an_update_boundary_and_resumes_bit_exactly(tmp_path):
 
     resumed = run_cli(*EXACT, "--max_steps=8", f"--train_dir={tmp_path / 'stopped'}")
     assert resumed.returncode == 0 and f"at step {step}" in resumed.stderr
-    straight = run_cli(*EXACT, "--max_steps=8", f"--train_dir={tmp_path / 'straight'}")
-    assert straight.returncode == 0
+    # The uninterrupted run in this process: a second command's start-up would add nothing to it.
+    assert tower_train.fit(train_dir=str(tmp_path / "straight"), max_steps=8, **EXACT_OPTIONS).step == 8
     assert_same_weights(tmp_path / "stopped", tmp_path / "straight")
 
 
 SMALL = ["--num_gpus=2", "--batch_size=8", "--checkpoint_every=1", "--log_every=1"]
-
-
-def test_a_corrupt_latest_checkpoint_falls_back_to_the_previous_with_a_warning(tmp_path):
-    assert run_cli(*SMALL, "--max_steps=3", f"--train_dir={tmp_path}").returncode == 0
-    data = tmp_path / "ckpt-3.data-00000-of-00001"
-    data.write_bytes(data.read_bytes()[:100])
-    damaged = {name: digest for name, digest in digests(tmp_path).items() if name.startswith("ckpt-3.")}
-    result = run_cli(*SMALL, "--max_steps=4", f"--train_dir={tmp_path}")
-    assert result.returncode == 0, result.stderr
-    assert f"checkpoint {tmp_path}/ckpt-3 is unreadable" in result.stderr
-    assert f"resuming from the older {tmp_path}/ckpt-2" in result.stderr
-    assert f"resumed from {tmp_path}/ckpt-2 at step 2" in result.stderr and "done: step 4" in result.stderr
-    # The run wrote its own ckpt-3 after moving the damaged one aside, byte for byte.
-    assert f"moved the files of the passed-over checkpoint ckpt-3 to {tmp_path}/passed_over/ckpt-3" \
-        in result.stderr
-    assert digests(tmp_path / "passed_over" / "ckpt-3") == damaged
 
 
 def test_no_readable_checkpoint_is_one_line_and_touches_nothing(tmp_path):
@@ -169,6 +156,23 @@ def four_checkpoints(tmp_path_factory):
     return train_dir
 
 
+def test_a_corrupt_latest_checkpoint_falls_back_to_the_previous_with_a_warning(four_checkpoints, tmp_path):
+    train_dir = tmp_path / "run"
+    shutil.copytree(four_checkpoints, train_dir)
+    data = train_dir / "ckpt-4.data-00000-of-00001"
+    data.write_bytes(data.read_bytes()[:100])
+    damaged = {name: digest for name, digest in digests(train_dir).items() if name.startswith("ckpt-4.")}
+    result = run_cli(*SMALL, "--max_steps=5", f"--train_dir={train_dir}")
+    assert result.returncode == 0, result.stderr
+    assert f"checkpoint {train_dir}/ckpt-4 is unreadable" in result.stderr
+    assert f"resuming from the older {train_dir}/ckpt-3" in result.stderr
+    assert f"resumed from {train_dir}/ckpt-3 at step 3" in result.stderr and "done: step 5" in result.stderr
+    # The run wrote its own ckpt-4 after moving the damaged one aside, byte for byte.
+    assert f"moved the files of the passed-over checkpoint ckpt-4 to {train_dir}/passed_over/ckpt-4" \
+        in result.stderr
+    assert digests(train_dir / "passed_over" / "ckpt-4") == damaged
+
+
 @pytest.mark.parametrize("index", ["deleted", "emptied", "garbled"])
 def test_a_lost_index_resumes_from_the_newest_checkpoint_and_writes_over_none(four_checkpoints,
                                                                              tmp_path, index):
@@ -226,18 +230,19 @@ def test_a_checkpoint_of_another_precision_is_refused_as_such_not_as_unreadable(
     assert "Traceback" not in fp16.stderr and saved_files(train_dir) == before
 
 
-def test_a_train_dir_of_another_run_is_refused_saying_what_differs(tmp_path):
-    assert run_cli(*SMALL, "--max_steps=1", f"--train_dir={tmp_path}").returncode == 0
-    before = saved_files(tmp_path)
-    result = run_cli("--num_gpus=2", "--batch_size=16", "--seed=3", "--max_steps=2",
-                     f"--train_dir={tmp_path}")
+def test_a_train_dir_of_another_run_is_refused_saying_what_differs(four_checkpoints, tmp_path):
+    train_dir = tmp_path / "run"
+    shutil.copytree(four_checkpoints, train_dir)
+    before = saved_files(train_dir)
+    result = run_cli("--num_gpus=2", "--batch_size=16", "--seed=3", "--max_steps=5",
+                     f"--train_dir={train_dir}")
     assert result.returncode == 2
     last = result.stderr.strip().splitlines()[-1]
     assert "holds another run: seed 0 there, 3 here; global_batch 16 there, 32 here" in last
-    assert saved_files(tmp_path) == before
+    assert saved_files(train_dir) == before
     # The same G factored differently is the same run.
-    same_g = run_cli("--num_gpus=1", "--batch_size=16", "--max_steps=2", f"--train_dir={tmp_path}")
-    assert same_g.returncode == 0 and "at step 1" in same_g.stderr
+    same_g = run_cli("--num_gpus=1", "--batch_size=16", "--max_steps=5", f"--train_dir={train_dir}")
+    assert same_g.returncode == 0 and "at step 4" in same_g.stderr
 
 
 @pytest.mark.cpu_only
