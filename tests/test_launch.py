@@ -13,15 +13,17 @@ import time
 import numpy as np
 import pytest
 
+import tower_train
 from tower_train.launch import gpus_of_worker
 from tower_train.training.run_record import TrainDirLock
 from helpers import read_until
 from test_cli_errors import ROOT
+from test_modes import TOWER_LAYOUT
 from test_train import checkpoint_values
 
-# The layout, with SGD at a rate that moves the weights far enough to tell layouts apart.
-LAYOUT = ["--num_gpus=1", "--batch_size=16", "--accum=2", "--max_steps=4", "--optimizer=sgd",
-          "--learning_rate=0.1", "--log_every=1"]
+# The layout, with SGD at a rate that moves the weights far enough to tell layouts apart
+# (test_modes.py's: two workers there too, against tower mode).
+LAYOUT = ["--num_gpus=1", *(f"--{name}={value}" for name, value in TOWER_LAYOUT.items())]
 
 
 def start_launcher(*args):
@@ -169,10 +171,9 @@ def test_launcher_matches_tower_mode_and_an_srun_step_matches_the_launcher(tmp_p
         r"\[worker 1/2\] .*\] step \d, loss = ", output)  # progress from the chief alone
     assert lines[-1] == "tower_train.launch: all 2 workers finished; exit statuses: 0, 0"
 
-    tower = subprocess.run([sys.executable, "-m", "tower_train", "--mode=tower", "--num_gpus=2",
-                            *LAYOUT[1:], f"--train_dir={tmp_path / 'tower'}"],
-                           cwd=ROOT, capture_output=True, text=True, timeout=240)
-    assert tower.returncode == 0, tower.stderr
+    # Tower mode's reference in this process (a command's start-up would add nothing to the comparison).
+    tower = tower_train.fit(mode="tower", num_gpus=2, train_dir=str(tmp_path / "tower"), **TOWER_LAYOUT)
+    assert tower.step == 4
 
     port = free_consecutive_ports(2)
     slurm = [subprocess.Popen(
@@ -198,7 +199,7 @@ def test_launcher_matches_tower_mode_and_an_srun_step_matches_the_launcher(tmp_p
 
 @pytest.mark.cpu_only
 def test_sigterm_to_the_launcher_stops_both_workers_saved_and_the_same_command_resumes(tmp_path):
-    command = ["--workers=2", "--", "--num_gpus=1", "--batch_size=16", "--max_steps=60",
+    command = ["--workers=2", "--", "--num_gpus=1", "--batch_size=16", "--max_steps=30",
                "--log_every=1", "--collective_timeout=60", f"--train_dir={tmp_path}"]
     launcher = start_launcher(*command)
     seen = read_until(launcher, "[worker 0/2] ", timeout=240)
@@ -209,7 +210,7 @@ def test_sigterm_to_the_launcher_stops_both_workers_saved_and_the_same_command_r
     stops = re.findall(r"\[worker (\d)/2\] tower_train: stopped by SIGTERM after update (\d+); saved", output)
     assert sorted(worker for worker, _ in stops) == ["0", "1"], output
     (step,) = {int(update) for _, update in stops}  # the same update boundary
-    assert 3 <= step < 60 and os.path.exists(tmp_path / f"ckpt-{step}.index")
+    assert 3 <= step < 30 and os.path.exists(tmp_path / f"ckpt-{step}.index")
     assert output.strip().splitlines()[-1] == ("tower_train.launch: SIGTERM passed to the workers; their "
                                                "exit statuses: 143 (SIGTERM), 143 (SIGTERM)")
 
@@ -217,7 +218,7 @@ def test_sigterm_to_the_launcher_stops_both_workers_saved_and_the_same_command_r
     output = finish(again, timeout=240)
     assert again.returncode == 0, output
     assert re.search(rf"\[worker 0/2\] .* resumed from .*ckpt-{step} at step {step}\n", output), output
-    assert re.search(r"\[worker 0/2\] .* done: step 60,", output)
+    assert re.search(r"\[worker 0/2\] .* done: step 30,", output)
 
 
 def launched_processes(pid):
