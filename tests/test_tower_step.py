@@ -56,15 +56,18 @@ def accumulators(step: TowerStep) -> list[np.ndarray]:
 
 
 
-@pytest.mark.parametrize("copy_ahead", [False, True], ids=["shards_on_the_host", "copied_ahead"])
-def test_after_the_first_update_the_k_micro_steps_run_in_one_call_reading_the_feed(copy_ahead):
-    """K = 3 on 2 towers: the second update, given the feed's iterator `at_once`, reads its
+@pytest.mark.parametrize("copy_ahead, towers", [(False, TOWERS), (True, TOWERS), (False, (PARAM_DEVICE,))],
+                         ids=["shards_on_the_host", "copied_ahead", "whole_update_under_xla"])
+def test_after_the_first_update_the_k_micro_steps_run_in_one_call_reading_the_feed(copy_ahead, towers):
+    """K = 3 on 2 towers, or on one tower on the parameter device under XLA (which compiles the
+    whole update): the second update, given the feed's iterator `at_once`, reads its
     micro-batches inside one call and is the plain step on its concatenated batch, as the first,
     made micro-step by micro-step, is."""
     rule = make_rule()
-    step = TowerStep(rule=rule, tower_devices=TOWERS, placement=OneDevice(PARAM_DEVICE),
-                     accum=3, shard_sizes=(3, 2))
-    first, second = micro_batches((3, 2), 3, seed=1), micro_batches((3, 2), 3, seed=2)
+    sizes = (3, 2)[:len(towers)]
+    step = TowerStep(rule=rule, tower_devices=towers, placement=OneDevice(PARAM_DEVICE),
+                     accum=3, shard_sizes=sizes, jit_compile=len(towers) == 1)
+    first, second = micro_batches(sizes, 3, seed=1), micro_batches(sizes, 3, seed=2)
     iterator = fed(step, first + second, copy_ahead)
     for batches in (first, second):
         expected_loss, expected = plain_sgd_step(rule.model, batches)
