@@ -75,11 +75,12 @@ def test_sigterm_stops_at_an_update_boundary_and_resumes_bit_exactly(tmp_path):
     assert_same_weights(tmp_path / "stopped", tmp_path / "straight")
 
 
-SMALL = ["--num_gpus=2", "--batch_size=8", "--checkpoint_every=1", "--log_every=1"]
+SMALL_OPTIONS = dict(num_gpus=2, batch_size=8, checkpoint_every=1, log_every=1)
+SMALL = [f"--{name}={value}" for name, value in SMALL_OPTIONS.items()]
 
 
 def test_no_readable_checkpoint_is_one_line_and_touches_nothing(tmp_path):
-    assert run_cli(*SMALL, "--max_steps=1", f"--train_dir={tmp_path}").returncode == 0
+    assert tower_train.fit(train_dir=str(tmp_path), max_steps=1, **SMALL_OPTIONS).step == 1
     data = tmp_path / "ckpt-1.data-00000-of-00001"
     data.write_bytes(b"garbage")
     before = saved_files(tmp_path)
@@ -149,10 +150,10 @@ def digests(directory) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def four_checkpoints(tmp_path_factory):
-    """A train_dir with ckpt-1..4 and its run record, for each case to copy."""
+    """A train_dir with ckpt-1..4 and its run record, for each case to copy, written by
+    tower_train.fit in this process: the commands take it as one of their own."""
     train_dir = tmp_path_factory.mktemp("trained") / "run"
-    made = run_cli(*SMALL, "--max_steps=4", f"--train_dir={train_dir}")
-    assert made.returncode == 0, made.stderr[-2000:]
+    assert tower_train.fit(train_dir=str(train_dir), max_steps=4, **SMALL_OPTIONS).step == 4
     return train_dir
 
 
