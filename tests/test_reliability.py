@@ -11,12 +11,11 @@ import time
 
 import pytest
 
+import tower_train
 from helpers import read_until, seconds_between
 from test_cli_errors import ROOT, run_cli
 from test_modes import kill_running, start_workers
-from test_resume import start
-
-SMALL = ["--num_gpus=2", "--batch_size=8", "--log_every=1", "--checkpoint_every=1"]
+from test_resume import SMALL, SMALL_OPTIONS, start
 
 
 def digests(directory) -> dict[str, str]:
@@ -78,8 +77,7 @@ def fill(disk, leave_kb: int) -> None:
 def test_a_full_disk_is_one_line_removes_the_partial_checkpoint_and_keeps_the_others(small_disk):
     """Not a byte left: the summaries warn once and training goes on; the checkpoint cannot."""
     train_dir = small_disk / "run"
-    first = run_cli(f"--train_dir={train_dir}", "--max_steps=1", *SMALL)
-    assert first.returncode == 0, first.stderr[-2000:]
+    assert tower_train.fit(train_dir=str(train_dir), max_steps=1, **SMALL_OPTIONS).step == 1
     saved = digests(train_dir)
     assert "ckpt-1.index" in saved
     fill(small_disk, leave_kb=0)
@@ -248,8 +246,7 @@ def test_a_checkpoint_with_non_finite_values_is_passed_over_on_resume(tmp_path):
     import tensorflow as tf
 
     train_dir = tmp_path / "run"
-    first = run_cli(f"--train_dir={train_dir}", "--max_steps=2", *SMALL)
-    assert first.returncode == 0, first.stderr[-2000:]
+    assert tower_train.fit(train_dir=str(train_dir), max_steps=2, **SMALL_OPTIONS).step == 2
     # Rewrite ckpt-2 whole, as a writer that kept a NaN weight would have.
     prefix = str(train_dir / "ckpt-2")
     reader = tf.train.load_checkpoint(prefix)
