@@ -32,9 +32,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 from absl import flags, logging
 
+from tower_train import cli
 from tower_train import flags as tt_flags
 from tower_train import startup
-from tower_train.cli import command, load_tensorflow, parse_config, run
+from tower_train.cli import command, load_tensorflow, parse_config
 from tower_train.rules import HAND_PLACED_MODE, MODE_RULES, ONE_PROCESS_MODES
 from tower_train.errors import UsageError
 from tower_train.stats import jitter
@@ -237,4 +238,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    run(main)
+    cli.run(main)
