@@ -114,27 +114,31 @@ class Controller:
             self.log("step %d already reaches --max_steps=%d: nothing to train", self._step,
                      self.config.max_steps)
         try:
-            tracing = True
-            self._tell("train_begin", saves=False)  # nothing trained yet: an error needs no save
-            in_flight: _Dispatched | None = None  # dispatched, its result not read yet
-            while in_flight is not None or self._step < self.config.max_steps:
-                if in_flight is not None and self._signalled():
-                    self._settle(in_flight)  # stops there, saved
-                    in_flight = None
-                    continue
-                dispatched = self._dispatch(self._step + 1 + (in_flight is not None), tracing)
-                if in_flight is not None:
-                    self._settle(in_flight, overlapped=True)
-                if not tracing and self._may_overlap(self._step + 1):
-                    in_flight = dispatched
-                else:
-                    in_flight = None
-                    if self._settle(dispatched):
-                        break
-                tracing = False
+            self._train()
         finally:
             self.state.examples_seen.assign(self._position)
         return self._loss
+
+    def _train(self) -> None:
+        """The updates up to max_steps, or to a stop: `run`'s loop."""
+        tracing = True
+        self._tell("train_begin", saves=False)  # nothing trained yet: an error needs no save
+        in_flight: _Dispatched | None = None  # dispatched, its result not read yet
+        while in_flight is not None or self._step < self.config.max_steps:
+            if in_flight is not None and self._signalled():
+                self._settle(in_flight)  # stops there, saved
+                in_flight = None
+                continue
+            dispatched = self._dispatch(self._step + 1 + (in_flight is not None), tracing)
+            if in_flight is not None:
+                self._settle(in_flight, overlapped=True)
+            if not tracing and self._may_overlap(self._step + 1):
+                in_flight = dispatched
+            else:
+                in_flight = None
+                if self._settle(dispatched):
+                    break
+            tracing = False
 
     def _dispatch(self, number: int, tracing: bool) -> _Dispatched:
         """Queues the next update (`number`, if the one in flight is applied) on the devices."""
