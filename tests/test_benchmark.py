@@ -7,6 +7,8 @@ import sys
 import pytest
 
 from test_cli_errors import ROOT
+from tower_train import startup
+from tower_train.benchmark import trainable_configs
 from tower_train.benchmark.options import bench_flags
 from tower_train.benchmark.names import comparisons, default_configs, parse_config_name
 from tower_train.errors import UsageError
@@ -215,6 +217,27 @@ def test_benchmark_refuses_bad_flags_in_one_line():
         result = benchmark(*args)
         assert result.returncode == 2
         assert result.stderr.strip().splitlines() == [line]
+    # Found once the model is built, after the device line, and before anything is measured.
+    result = benchmark("--model=resnet20", "--configs=tower_pscpu_k1,central_storage_k1,central_storage_k8")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[1:] == [
+        "tower_train: error: --configs: central_storage_k1, central_storage_k8: --mode=central_storage: "
+        "--model=resnet20 has moving statistics (BatchNormalization) or random state (Dropout), which "
+        "CentralStorageStrategy cannot update from its replicas; leave them out"]
+
+
+def test_a_default_suite_leaves_out_the_modes_that_cannot_train_the_model_saying_why(caplog):
+    # Before: the suite measured every other configuration of --model=resnet20 for minutes, then
+    # ended at central_storage_k1 with that mode's error, printing nothing it had measured.
+    suite = [parse_config_name(name, 2) for name in default_configs("traffic", 2)]
+    options = {"num_gpus": 2, "batch_size": 2, "train_dir": "unused"}
+    with startup.start(startup.BENCHMARK, {**options, "model": "resnet20"}) as run:
+        kept = trainable_configs(suite, run, given=False)
+    assert [b.name for b in kept] == [b.name for b in suite if b.kind != "central_storage"]
+    assert ("the benchmark leaves out central_storage_k1, central_storage_k8: --mode=central_storage: "
+            "--model=resnet20 has moving statistics") in caplog.text
+    with startup.start(startup.BENCHMARK, {**options, "model": "cifar10_cnn"}) as run:
+        assert trainable_configs(suite, run, given=True) == suite  # no BN, no Dropout: all of it trains
 
 
 def test_a_slowed_first_tower_waits_per_example_of_its_share_in_each_configuration():

@@ -326,11 +326,10 @@ def build_model(spec: ModelSpec, source: Source, config: TrainConfig,
     if config.sync_bn and not any(isinstance(layer, keras.layers.BatchNormalization)
                                   for layer in model._flatten_layers()):  # every nested layer
         raise UsageError(f"--sync_bn: {what} has no BatchNormalization layer")
-    if not config.mode_rules.keeps_replica_state and model.non_trainable_variables:
+    fault = replica_state_fault(config.mode, what, model)
+    if fault:
         keeping = " or ".join(m for m in ONE_PROCESS_MODES if MODE_RULES[m].keeps_replica_state)
-        raise UsageError(f"--mode={config.mode}: {what} has moving statistics "
-                         "(BatchNormalization) or random state (Dropout), which CentralStorageStrategy "
-                         f"cannot update from its replicas; use --mode={keeping}")
+        raise UsageError(f"{fault}; use --mode={keeping}")
     if training:
         warn_of_unused_overrides(what, model, loss_name)
         check_training_pass(what, model, example, labels)
@@ -340,6 +339,15 @@ def build_model(spec: ModelSpec, source: Source, config: TrainConfig,
                          "activity_regularizer), which a recomputed block would drop; train it "
                          "without --recompute")
     return model
+
+
+def replica_state_fault(mode: str, what: str, model: keras.Model) -> str | None:
+    """Why `mode` cannot train the built `model`: it has state that its replicas move (BN's moving
+    statistics, Dropout's random generators), which the mode cannot keep; None when it can."""
+    if MODE_RULES[mode].keeps_replica_state or not model.non_trainable_variables:
+        return None
+    return (f"--mode={mode}: {what} has moving statistics (BatchNormalization) or random state "
+            "(Dropout), which CentralStorageStrategy cannot update from its replicas")
 
 
 def check_logits(label: str, logits: tf.Tensor, source: Source) -> None:

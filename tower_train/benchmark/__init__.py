@@ -56,13 +56,14 @@ from tower_train import flags as tt_flags
 from tower_train import startup
 from tower_train.benchmark.keras_epochs import format_keras_report, measure_keras_epochs
 from tower_train.benchmark.memory import format_memory_report, measure_memory
-from tower_train.benchmark.names import MEASURES, default_configs, parse_config_name
+from tower_train.benchmark.names import MEASURES, BenchConfig, default_configs, parse_config_name
 from tower_train.benchmark.ops import format_ops_report, measure_ops
 from tower_train.benchmark.options import bench_flags
 from tower_train.benchmark.timing import format_report, run_benchmark
 from tower_train.benchmark.traffic_report import format_traffic_report, measure_traffic
 from tower_train.cli import command, load_tensorflow, parse_config
 from tower_train.errors import UsageError
+from tower_train.rules import MODE_RULES
 
 
 def _link_speeds(values: list[str]) -> list[float]:
@@ -114,6 +115,7 @@ def _benchmark(argv: list[str]) -> int:
     load_tensorflow()
     with startup.start(startup.BENCHMARK, startup.options_of(config), announce=True) as run:
         config, plan = run.config, run.plan
+        benches = trainable_configs(benches, run, given=bool(options["configs"].value))
         if measure == "memory":
             results = measure_memory(benches, argv)
             report = format_memory_report(results)
@@ -131,6 +133,29 @@ def _benchmark(argv: list[str]) -> int:
             results = [dataclasses.asdict(m) for m in measurements]
             report = format_report(measurements, len(plan.tower_devices), config.batch_size)
     return _report(report, results, measure, len(plan.tower_devices), options, config.batch_size)
+
+
+def trainable_configs(benches: list[BenchConfig], run: startup.Started, given: bool) -> list[BenchConfig]:
+    """`benches` without the configurations whose mode cannot train the model (central_storage
+    and a model with BN statistics or Dropout), found before any is measured: refused in one
+    line when --configs named them, left out of a default suite with a line that says why."""
+    from absl import logging
+
+    from tower_train.model_spec import build_model, replica_state_fault
+
+    modes = {bench.kind for bench in benches if bench.kind in MODE_RULES}
+    if all(MODE_RULES[mode].keeps_replica_state for mode in modes):
+        return benches
+    model = build_model(run.spec, run.source, run.config)
+    faults = {mode: replica_state_fault(mode, run.spec.label, model) for mode in modes}
+    unfit = [bench.name for bench in benches if faults.get(bench.kind)]
+    if not unfit:
+        return benches
+    fault = next(filter(None, faults.values()))
+    if given:
+        raise UsageError(f"--configs: {', '.join(unfit)}: {fault}; leave {'it' if len(unfit) == 1 else 'them'} out")
+    logging.warning("the benchmark leaves out %s: %s", ", ".join(unfit), fault)
+    return [bench for bench in benches if bench.name not in unfit]
 
 
 def _report(report: str, results: list, measure: str, towers: int, options: dict,
