@@ -158,3 +158,19 @@ def test_a_link_or_a_directory_as_the_lock_is_one_line_and_nothing_is_written_th
                      + f"; remove it, or add --train_dir={train_dir}_2)"], result.stderr
     assert precious.read_text() == "precious"
     assert sorted(p.name for p in train_dir.iterdir()) == ["lock"]
+
+
+@pytest.mark.parametrize("flag", ["--train_dir={file}", "--export_dir={file}"])
+def test_a_directory_that_cannot_be_written_is_refused_before_tensorflow_loads(tmp_path, flag):
+    # Before, every command loaded TensorFlow (seconds) before it looked at its directories.
+    a_file = tmp_path / "a_file"
+    a_file.write_text("precious")
+    argv = ["tower_train", f"--train_dir={tmp_path / 'train'}", flag.format(file=a_file)]  # the last wins
+    code = (f"import sys\nfrom tower_train import cli\nstatus = cli.main({argv!r})\n"
+            "print(status, 'tensorflow' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                            env={**os.environ, "PYTHONPATH": ROOT}, timeout=300)
+
+    assert result.stdout.split() == ["2", "False"], result.stderr
+    assert "is a file" in result.stderr
+    assert a_file.read_text() == "precious"

@@ -28,7 +28,7 @@ from tower_train import cpp_lines
 from tower_train import flags as tt_flags
 from tower_train.config import TrainConfig
 from tower_train.errors import Stopped, TrainingError, UsageError
-from tower_train.quiet_start import level_set_by_user, native_startup_lines_hidden
+from tower_train.quiet_start import level_set_by_user
 from tower_train.user_code import TRACEBACK_VARIABLE, UserCodeError
 
 PROG = "tower_train"
@@ -136,7 +136,6 @@ def _train(argv: list[str]) -> int:
         worker = cluster.this_worker(config.cluster)
         watchdog = peer_watchdog.PeerWatchdog(worker, config.collective_timeout, PROG)  # before TF loads
     try:
-        load_tensorflow()
         from tower_train.api import fit
         from tower_train.training.stop_signals import StopSignals
 
@@ -146,15 +145,6 @@ def _train(argv: list[str]) -> int:
         if watchdog is not None:
             watchdog.stop()
     return 0
-
-
-def load_tensorflow() -> None:
-    """Loads TensorFlow and probes for GPUs where the lines its C++ side prints are hidden; a
-    command calls it once its flags are checked."""
-    with native_startup_lines_hidden():
-        import tensorflow as tf
-
-        tf.config.list_physical_devices("GPU")
 
 
 def _no_tensorflow_info(record: stdlib_logging.LogRecord) -> bool:

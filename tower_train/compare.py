@@ -35,7 +35,7 @@ from absl import flags, logging
 from tower_train import cli
 from tower_train import flags as tt_flags
 from tower_train import startup
-from tower_train.cli import command, load_tensorflow, parse_config
+from tower_train.cli import command, parse_config
 from tower_train.rules import HAND_PLACED_MODE, MODE_RULES, ONE_PROCESS_MODES
 from tower_train.errors import UsageError
 from tower_train.stats import jitter
@@ -213,7 +213,6 @@ def _compare(argv: list[str]) -> int:
     if config.max_steps <= warmup:
         raise UsageError(f"--max_steps={config.max_steps}: must be greater than "
                          f"--warmup_updates={warmup}, or no update is timed")
-    load_tensorflow()
     # It writes TensorBoard runs and the plot in train_dir: as a training run, it takes the
     # train_dir's lock, and with it the refusal of a link where it writes (training/run_record.py).
     with startup.start(startup.COMPARE, startup.options_of(config), announce=True) as run:

@@ -29,7 +29,7 @@ from absl import flags
 
 from tower_train import flags as tt_flags
 from tower_train import startup
-from tower_train.cli import command, load_tensorflow, parse_config, run
+from tower_train.cli import command, parse_config, run
 
 if TYPE_CHECKING:  # TensorFlow loads only once the flags are checked
     from tower_train.training.evaluation.held_out import Evaluation
@@ -65,9 +65,6 @@ def evaluate_checkpoint(model: object = None, data: object = None, *, checkpoint
     """
     from absl import logging
 
-    from tower_train.training import checkpoints
-    from tower_train.training.evaluation import checkpoint as eval_checkpoint
-
     if metrics is not None:
         from tower_train.training.evaluation.held_out import check_metrics
 
@@ -76,6 +73,8 @@ def evaluate_checkpoint(model: object = None, data: object = None, *, checkpoint
                        num_classes=num_classes, loss=loss, checkpoint=checkpoint) as run:
         import tensorflow as tf
 
+        from tower_train.training import checkpoints
+        from tower_train.training.evaluation import checkpoint as eval_checkpoint
         from tower_train.training.evaluation import held_out
         from tower_train.model_spec import build_model, use_moving_average
         from tower_train.step.schedules import MovingAverage
@@ -111,7 +110,6 @@ def evaluate_checkpoint(model: object = None, data: object = None, *, checkpoint
 def _eval(argv: list[str]) -> int:
     flags.FLAGS["train_dir"].help = tt_flags.EVAL_TRAIN_DIR_HELP  # the command's, once it runs
     config = parse_config(argv, __doc__ or "", EVAL_FLAGS, tt_flags.EVAL_OPTIONS)
-    load_tensorflow()
     evaluation = evaluate_checkpoint(checkpoint=EVAL_FLAGS["checkpoint"].value,
                                      use_ema=EVAL_FLAGS["use_ema"].value, **startup.options_of(config))
     if evaluation.precision is None:

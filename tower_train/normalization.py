@@ -27,7 +27,7 @@ from absl import flags
 
 from tower_train import flags as tt_flags
 from tower_train import startup
-from tower_train.cli import command, load_tensorflow, parse_config, run
+from tower_train.cli import command, parse_config, run
 from tower_train.errors import UsageError
 
 if TYPE_CHECKING:
@@ -81,7 +81,6 @@ def _normalization(argv: list[str]) -> int:
     config = parse_config(argv, __doc__ or "", ["updates"], tt_flags.NORMALIZATION_OPTIONS)
     if updates.value < 1:
         raise UsageError(f"--updates={updates.value}: must be a whole number >= 1")
-    load_tensorflow()
     with startup.start(startup.NORMALIZATION, startup.options_of(config)) as run:
         results = compare_normalizations(run, updates.value)
     print(f"{config.model} on {config.dataset}: G = {config.global_batch} examples per update in "

@@ -2,9 +2,9 @@
 loop_optimizer) kept out of stderr: they tell a user nothing to act on, and would bury the
 one-line errors and the device plan's log line, which says the same in plain words.
 
-The command line loads TensorFlow where they are hidden (`cli.load_tensorflow`). `import
-tower_train` calls `quiet_tensorflow_start`, so that a Python-API script that imports tower_train
-before keras or tensorflow prints none of them either. A user who sets TF_CPP_MIN_LOG_LEVEL gets
+Every command loads TensorFlow where they are hidden (`load_tensorflow`, from `startup.start`).
+`import tower_train` calls `quiet_tensorflow_start`, so that a Python-API script that imports
+tower_train before keras or tensorflow prints none of them either. A user who sets TF_CPP_MIN_LOG_LEVEL gets
 TensorFlow's own behaviour, untouched: the commands' filter of TF's C++ log lines
 (cpp_lines.py) asks `level_set_by_user`.
 """
@@ -72,6 +72,19 @@ def native_startup_lines_hidden() -> Iterator[None]:
         finally:
             os.dup2(saved, 2)
             os.close(saved)
+
+
+def load_tensorflow() -> None:
+    """Loads TensorFlow and probes for GPUs where the lines its C++ side prints are hidden, unless
+    it is loaded already. `startup.start` calls it once the checks that need no TensorFlow have
+    passed: a bad directory is then refused in a fraction of a second, not after TensorFlow's
+    seconds of loading."""
+    if "tensorflow" in sys.modules:
+        return
+    with native_startup_lines_hidden():
+        import tensorflow as tf
+
+        tf.config.list_physical_devices("GPU")
 
 
 class _FirstTensorFlowImport(importlib.abc.MetaPathFinder):

@@ -5,8 +5,9 @@ and through it `tower_train.keras.fit` and the export at the end of training; `e
 and `python -m tower_train.eval`; compare; normalization; the benchmark):
 
 1. the options, as a validated `TrainConfig` (an unknown one is named);
-2. the directories the command writes (train_dir, export_dir), or the checkpoint it reads;
-3. the data arguments (a named data set, a source, or numpy arrays);
+2. the directories the command writes (train_dir, export_dir); then TensorFlow loads
+   (`quiet_start.load_tensorflow`), as the steps below need it;
+3. the checkpoint the command reads; the data arguments (a named data set, a source, or numpy arrays);
 4. the model's name;
 5. the devices (`prepare_devices`, which also decides the "auto" options);
 6. the numerics, TensorFlow's op determinism and TF32, for the rest of the command;
@@ -28,6 +29,7 @@ from tower_train.config import TrainConfig, check_directories
 
 from tower_train.rules import HAND_PLACED_MODE
 from tower_train.errors import UsageError
+from tower_train.quiet_start import load_tensorflow
 from tower_train.workers import cluster, peer_watchdog
 
 if TYPE_CHECKING:  # TensorFlow loads only once a command's flags are checked
@@ -99,6 +101,7 @@ def start(command: Command, options: dict, model: object = None, data: object = 
     config, model, data = config_and_objects(model, data, dict(options), command.name)
     if command.writes:
         check_directories(config)
+    load_tensorflow()
     if command.reads_checkpoint:
         from tower_train.training.evaluation.checkpoint import check_named_checkpoint
 

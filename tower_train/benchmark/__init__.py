@@ -61,8 +61,9 @@ from tower_train.benchmark.ops import format_ops_report, measure_ops
 from tower_train.benchmark.options import bench_flags
 from tower_train.benchmark.timing import format_report, run_benchmark
 from tower_train.benchmark.traffic_report import format_traffic_report, measure_traffic
-from tower_train.cli import command, load_tensorflow, parse_config
+from tower_train.cli import command, parse_config
 from tower_train.errors import UsageError
+from tower_train.quiet_start import load_tensorflow
 from tower_train.rules import MODE_RULES
 
 
@@ -112,7 +113,6 @@ def _benchmark(argv: list[str]) -> int:
     link_gbps = _link_speeds(options["link_gbps"].value)
     if link_gbps and measure != "traffic":
         raise UsageError("--link_gbps: only with --measure=traffic")
-    load_tensorflow()
     with startup.start(startup.BENCHMARK, startup.options_of(config), announce=True) as run:
         config, plan = run.config, run.plan
         benches = trainable_configs(benches, run, given=bool(options["configs"].value))
