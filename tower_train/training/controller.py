@@ -108,7 +108,8 @@ class Controller:
         # examples_seen when saved and at the end: an eager assign per update is a host op of its
         # own (0.1 ms, on a small model's update of 2-3 ms).
         self._position = _value(self.state.examples_seen)
-        self._last_seconds = 0.0  # the last update's, from its queueing to its read
+        self._last_seconds = 0.0  # the last update's time (`_settle`)
+        self._last_read = 0.0  # when the last update's result was read
         self._loss: float | None = None
         if self._step >= self.config.max_steps:
             self.log("step %d already reaches --max_steps=%d: nothing to train", self._step,
@@ -194,7 +195,12 @@ class Controller:
             if not _fails_the_run(e):
                 raise
             raise self._failed(self._step + 1, e) from None
-        seconds = self._last_seconds = time.perf_counter() - update.start
+        # An update queued while the one before it ran is timed from that one's read, not from its
+        # queueing: the updates' seconds then add up to the time they took, and the log's
+        # examples/sec is not halved by overlapped updates counting the same seconds twice.
+        read = time.perf_counter()
+        seconds = self._last_seconds = read - max(update.start, self._last_read)
+        self._last_read = read
         self.watchdog.progress()
         if not result.applied:
             stopping = self._refused(result)
