@@ -638,7 +638,7 @@ def test_a_stop_signal_settles_the_update_in_flight_and_stops_at_its_boundary(tm
     assert run.saved() == [3] and saved_value(run.ckpt(3), "step") == 3
 
 
-def test_overlapped_updates_are_timed_from_the_read_of_the_one_before_not_counted_twice(tmp_path, monkeypatch):
+def test_overlapped_updates_are_timed_from_the_read_of_the_one_before(tmp_path, monkeypatch):
     # Before: an update queued while the one before ran was timed from its queueing, so the
     # seconds of overlapped updates counted the time between twice, and the log's examples/sec
     # read about half the true rate (the main job: 7.5 s per update logged, 3.9 s taken).

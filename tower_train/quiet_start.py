@@ -4,9 +4,9 @@ one-line errors and the device plan's log line, which says the same in plain wor
 
 Every command loads TensorFlow where they are hidden (`load_tensorflow`, from `startup.start`).
 `import tower_train` calls `quiet_tensorflow_start`, so that a Python-API script that imports
-tower_train before keras or tensorflow prints none of them either. A user who sets TF_CPP_MIN_LOG_LEVEL gets
-TensorFlow's own behaviour, untouched: the commands' filter of TF's C++ log lines
-(cpp_lines.py) asks `level_set_by_user`.
+tower_train before keras or tensorflow prints none of them either. A user who sets
+TF_CPP_MIN_LOG_LEVEL gets TensorFlow's own behaviour, untouched: the commands' filter of TF's C++
+log lines (cpp_lines.py) asks `level_set_by_user`.
 """
 from __future__ import annotations
 

@@ -153,7 +153,8 @@ def trainable_configs(benches: list[BenchConfig], run: startup.Started, given: b
         return benches
     fault = next(filter(None, faults.values()))
     if given:
-        raise UsageError(f"--configs: {', '.join(unfit)}: {fault}; leave {'it' if len(unfit) == 1 else 'them'} out")
+        them = "it" if len(unfit) == 1 else "them"
+        raise UsageError(f"--configs: {', '.join(unfit)}: {fault}; leave {them} out")
     logging.warning("the benchmark leaves out %s: %s", ", ".join(unfit), fault)
     return [bench for bench in benches if bench.name not in unfit]
 
