@@ -248,6 +248,13 @@ class BranchesOnATensor(FiveLogits):
         return -super().call(features)
 
 
+class BranchesInItsLoss(FiveLogits):
+    def per_example_loss(self, labels, logits):
+        if tf.reduce_sum(logits) > 0:  # a Python if on a tensor: eager only, as in Keras's fit
+            return super().per_example_loss(labels, logits)
+        return super().per_example_loss(labels, -logits)
+
+
 class FailsInTraining(FiveLogits):
     def call(self, features, training=False):
         if training:
@@ -262,6 +269,7 @@ def line_of(cls, text):
 
 TRACING = [(CallsNumpy, "features.numpy()", "AttributeError: 'SymbolicTensor' object has no attribute 'numpy'"),
            (BranchesOnATensor, "if tf.reduce_sum", "OperatorNotAllowedInGraphError: Using a symbolic `tf.Tensor` as a Python `bool`"),
+           (BranchesInItsLoss, "if tf.reduce_sum", "OperatorNotAllowedInGraphError: Using a symbolic `tf.Tensor` as a Python `bool`"),
            (FailsInTraining, "raise NotImplementedError", "NotImplementedError: dropout is not written yet")]
 
 
@@ -270,7 +278,8 @@ TRACING = [(CallsNumpy, "features.numpy()", "AttributeError: 'SymbolicTensor' ob
 def test_an_error_while_tracing_the_models_training_call_is_one_line_naming_its_file_and_line(
         tmp_path, mode, model, line, reason):
     """The first call (training=False) runs eagerly and passes; the towers trace `call` with
-    training=True, which is checked when the model is built."""
+    training=True, and the loss, as written (no AutoGraph, as in Keras's fit), which is checked
+    when the model is built."""
     train_dir = tmp_path / "run"
     with pytest.raises(tower_train.UsageError) as error:
         tower_train.fit(model=model, data=arrays(classes=5), train_dir=train_dir, mode=mode,

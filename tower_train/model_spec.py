@@ -415,7 +415,8 @@ def check_training_pass(what: str, model: TowerModel, example: tf.Tensor, labels
         raise RuntimeError("a variable made in training")  # ends the trace; named below
 
     strategy = tf.distribute.get_strategy()
-    traced = tf.function(lambda features, labels: strategy.run(training_pass, args=(features, labels)))
+    traced = tf.function(lambda features, labels: strategy.run(training_pass, args=(features, labels)),
+                         autograph=False)
     try:
         with tf.variable_creator_scope(refuse_creation):
             call_user_code(lambda: traced.get_concrete_function(example, labels),

@@ -267,7 +267,7 @@ def _plain(config: TrainConfig, device: str, dataset, batch_spec: tuple, state: 
     whole_batches = iter(dataset.batch(config.accum).map(
         lambda *parts: tf.nest.map_structure(lambda p: tf.reshape(p, [-1, *p.shape[2:]]), parts)))
 
-    @tf.function(jit_compile=config.jit_compile)
+    @tf.function(jit_compile=config.jit_compile, autograph=False)
     def plain_step(features, labels: tf.Tensor, weights: tf.Tensor) -> tf.Tensor:
         with tf.device(device):
             result = tower_loss_and_gradients(state.model, prepared(features, source.model_input), labels,

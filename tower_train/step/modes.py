@@ -149,7 +149,7 @@ class Mode:
                 votes = self.strategy.run(lambda f: f, args=(flag_tensor,))
                 return self.strategy.reduce(tf.distribute.ReduceOp.SUM, votes, axis=None)
 
-            self._vote = tf.function(vote)
+            self._vote = tf.function(vote, autograph=False)
         return int(self._vote(tf.constant(int(flag)))) > 0
 
     def sparse_steps(self, model) -> bool:

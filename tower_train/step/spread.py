@@ -169,9 +169,9 @@ class SpreadState:
             with tf.device(device):
                 self._averages.append(None if moving_average is None or not self.owned[d] else
                                       MovingAverage([self.weights[k] for k in self.owned[d]], moving_average.decay))
-        self.scatter = tf.function(self._scatter_values)
-        self.gather = tf.function(self._gather_values)
-        self._finite = tf.function(self._all_finite)
+        self.scatter = tf.function(self._scatter_values, autograph=False)
+        self.gather = tf.function(self._gather_values, autograph=False)
+        self._finite = tf.function(self._all_finite, autograph=False)
         self.scatter()
 
     def rows(self, value: tf.Tensor, k: int) -> tf.Tensor:

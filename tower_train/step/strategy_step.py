@@ -102,10 +102,10 @@ class StrategyStep:
             if self._generator_states is not None:
                 self._micro_step = tf.Variable(tf.constant(0, tf.int64), name="micro_step", trainable=False,
                                                **local)
-        self.accumulate = tf.function(self._accumulate)
-        self.finish = tf.function(self._finish)
-        self.apply = tf.function(self._apply)
-        self.discard = tf.function(self._discard)
+        self.accumulate = tf.function(self._accumulate, autograph=False)
+        self.finish = tf.function(self._finish, autograph=False)
+        self.apply = tf.function(self._apply, autograph=False)
+        self.discard = tf.function(self._discard, autograph=False)
 
     def feed(self, dataset: tf.data.Dataset, copy_ahead: bool | None = None) -> Iterator[Shards]:
         """`dataset`'s global micro-batches, each of this worker's replicas' shards copied ahead

@@ -135,14 +135,14 @@ class TowerStep:
                 with tf.device(device):
                     self._sums.append(UpdateSums(model, prefix=f"tower_{i}_", sparse=self._sparse,
                                                  passes_held=accum - 1, moments=moment_shapes(normalizing)))
-        self.refresh_weights = tf.function(self._refresh_weights)
-        self.accumulate = tf.function(self._accumulate)
-        self.update = tf.function(self._update)
+        self.refresh_weights = tf.function(self._refresh_weights, autograph=False)
+        self.accumulate = tf.function(self._accumulate, autograph=False)
+        self.update = tf.function(self._update, autograph=False)
         # The device XLA may compile whole updates on: the one tower's, which holds the variables.
         one_device = len(self._devices) == 1 and canonical_device(self._devices[0]) == canonical_device(self.layout.host)
         self._whole_device = canonical_device(self._devices[0]) if jit_compile and one_device else None
         self._steps: tuple[Callable | None, Callable] | None = None  # (accumulate, update), at the first update
-        self._micro_steps = tf.function(self._all_micro_steps)
+        self._micro_steps = tf.function(self._all_micro_steps)  # with AutoGraph: it loops on a tensor
 
     @property
     def copies_weights(self) -> bool:
@@ -189,7 +189,8 @@ class TowerStep:
                         functions[1].get_concrete_function(shards))
 
             if self._whole_device is not None:
-                compiled = traced(tuple(tf.function(f, jit_compile=True) for f in (self._accumulate, self._update)))
+                compiled = traced(tuple(tf.function(f, jit_compile=True, autograph=False)
+                                        for f in (self._accumulate, self._update)))
                 elsewhere = sorted({canonical_device(handle.device)
                                     for f in compiled if f is not None for handle in f.captured_inputs
                                     if handle.dtype == tf.resource} - {self._whole_device})

@@ -223,7 +223,7 @@ def tower_function(
             None if loss_scale is None else loss_scale.value.read_value(), weight_copies, seeds,
             sparse=sparse, moments=moments)
 
-    run_pass = tf.function(tower_pass, jit_compile=True) if jit_compile else tower_pass
+    run_pass = tf.function(tower_pass, jit_compile=True, autograph=False) if jit_compile else tower_pass
 
     def tower(features, *arguments) -> TowerResult:
         return run_pass(prepared(features, prepare), *arguments)
@@ -241,7 +241,7 @@ def compiled_tower_function(model: TowerModel, loss_scale: LossScale | None = No
     values), and the loss scale and `model.state_variables` are read outside it, in program
     order, the values it moved written back after it, as an uncompiled pass would. A `RawInput`
     is preprocessed by `prepare` on that device, outside the compiled pass (`prepared`)."""
-    @tf.function(jit_compile=True)
+    @tf.function(jit_compile=True, autograph=False)
     def compiled(features, labels, weights, weight_values, statistics, seeds, scale) -> TowerResult:
         return tower_loss_and_gradients(model, features, labels, weights, scale, weight_values, seeds,
                                         statistics, sparse, moments)

@@ -82,7 +82,7 @@ class TrainState:
         checks the same variables (`UpdateRule.state_finite`). One reduction over the state."""
         floats = self.float_variables()
 
-        @tf.function
+        @tf.function(autograph=False)
         def all_finite() -> tf.Tensor:
             return tensors_finite(floats)
 
