@@ -223,12 +223,25 @@ def tower_function(
             None if loss_scale is None else loss_scale.value.read_value(), weight_copies, seeds,
             sparse=sparse, moments=moments)
 
-    run_pass = tf.function(tower_pass, jit_compile=True, autograph=False) if jit_compile else tower_pass
+    run_pass = _compiled_pass(tower_pass) if jit_compile else tower_pass
 
     def tower(features, *arguments) -> TowerResult:
         return run_pass(prepared(features, prepare), *arguments)
 
     return tower
+
+
+def _compiled_pass(tower_pass: Callable[..., TowerResult]) -> Callable[..., TowerResult]:
+    """`tower_pass` compiled by XLA, traced under a name scope of its own whatever scope calls it.
+    Its trace is a graph of its own, and a graph's root scope refuses names that do not start
+    with a letter, a digit or a dot, such as the "__basic_block" Keras opens for resnet20's
+    `_BasicBlock` layers (a tower off the parameter device traced it at the root). The uncompiled
+    passes run under their tower's scope (`run_on_towers`)."""
+    def scoped(*arguments) -> TowerResult:
+        with tf.name_scope("tower_pass"):
+            return tower_pass(*arguments)
+
+    return tf.function(scoped, jit_compile=True, autograph=False)
 
 
 def compiled_tower_function(model: TowerModel, loss_scale: LossScale | None = None,
@@ -241,10 +254,11 @@ def compiled_tower_function(model: TowerModel, loss_scale: LossScale | None = No
     values), and the loss scale and `model.state_variables` are read outside it, in program
     order, the values it moved written back after it, as an uncompiled pass would. A `RawInput`
     is preprocessed by `prepare` on that device, outside the compiled pass (`prepared`)."""
-    @tf.function(jit_compile=True, autograph=False)
-    def compiled(features, labels, weights, weight_values, statistics, seeds, scale) -> TowerResult:
+    def compiled_pass(features, labels, weights, weight_values, statistics, seeds, scale) -> TowerResult:
         return tower_loss_and_gradients(model, features, labels, weights, scale, weight_values, seeds,
                                         statistics, sparse, moments)
+
+    compiled = _compiled_pass(compiled_pass)
 
     def tower(features: tf.Tensor, labels: tf.Tensor, weights: tf.Tensor,
               weight_copies: Sequence[tf.Variable | tf.Tensor], seeds: tf.Tensor | None = None) -> TowerResult:
