@@ -132,34 +132,82 @@ def test_jit_compile_gives_the_same_update(layout):
     assert relative_error(got, want) < 1e-4
 
 
-def compiled_calls(run) -> list[str]:
-    """The devices of the calls of XLA-compiled functions in a run's traced update."""
-    calls = []
-    for function, _ in run.inner.traced_update(test_traffic.batch_spec(4 * 4)):
-        for op in function.graph.get_operations():
-            attr = op.node_def.attr.get("_XlaMustCompile")
-            if op.type in ("StatefulPartitionedCall", "PartitionedCall") and attr is not None and attr.b:
-                calls.append(canonical_device(op.device))
-    return calls
+class _Counted(keras.layers.Layer):
+    """Counts its training calls in a non-trainable variable: a state that moves otherwise than
+    BN's moving averages, which each tower must take as the tower before it left it."""
+
+    def build(self, input_shape):
+        self.training_calls = self.add_weight(shape=(), initializer="zeros", trainable=False, name="training_calls")
+
+    def call(self, x, training=False):
+        if training:
+            self.training_calls.assign(self.training_calls + 1.0)
+        return x
+
+
+@models.register("test_precision_counted")
+class Counted(models.TowerModel):
+    """Flatten, `_Counted`, Dense."""
+
+    def __init__(self, num_classes: int, **kwargs):
+        super().__init__(num_classes, **kwargs)
+        self.flatten = keras.layers.Flatten()
+        self.counted = _Counted()
+        self.logits = keras.layers.Dense(num_classes)
+
+    def call(self, features, training=False):
+        return self.logits(self.counted(self.flatten(features), training=training))
+
+
+def compiled_calls(run) -> list[list]:
+    """Each function of a run's traced update: its calls of XLA-compiled functions (ops)."""
+    return [[op for op in function.graph.get_operations()
+             if op.type in ("StatefulPartitionedCall", "PartitionedCall") and "_XlaMustCompile" in op.node_def.attr
+             and op.node_def.attr["_XlaMustCompile"].b]
+            for function, _ in run.inner.traced_update(test_traffic.batch_spec(4 * 4))]
+
+
+def calls_before(call, calls: list) -> list[str]:
+    """The names of `calls` that `call` waits for, through data or control edges."""
+    seen, stack = set(), [call]
+    while stack:
+        op = stack.pop()
+        for before in [tensor.op for tensor in op.inputs] + list(op.control_inputs):
+            if before not in seen:
+                seen.add(before)
+                stack.append(before)
+    return [other.name for other in calls if other in seen]
 
 
 @pytest.mark.parametrize("layout", [
     dict(ps_device="cpu"), dict(ps_device="spread"), dict(ps_device="cpu", tower_weights="per_micro_step"),
-    dict(ps_device="cpu", accum=1), dict(ps_device="cpu", model="test_precision_blocks")],
-    ids=["cpu", "spread", "cpu-per-micro-step", "cpu-k1", "cpu-batchnorm-in-a-block"])
+    dict(ps_device="cpu", accum=1), dict(ps_device="cpu", model="test_precision_blocks"),
+    dict(ps_device="spread", model="test_precision_blocks"), dict(ps_device="cpu", model="test_precision_counted")],
+    ids=["cpu", "spread", "cpu-per-micro-step", "cpu-k1", "cpu-batchnorm-in-a-block", "spread-batchnorm-in-a-block",
+         "cpu-counted"])
 def test_jit_compile_in_tower_mode_compiles_every_tower_off_the_parameter_device(layout):
     """Four towers on /cpu:1..4, variables on /cpu:0 (or in slices on the towers): each tower's
-    pass is compiled for its device over the values it is handed, and three updates (momentum,
-    BN's moving statistics for `Blocks`) equal those without XLA to float rounding."""
+    pass is compiled for its device over the values it is handed, the passes do not wait for
+    each other (BN's moving statistics included: `towers.compiled_towers`), except where a pass
+    moves another state (`Counted`), and three updates (momentum, the moving statistics, the
+    count) equal those without XLA to float rounding."""
     layout = dict(num_gpus=4, **{"accum": 2, **layout}, **{**SGD, "optimizer": "momentum"})
     compiled = make_run(jit_compile=True, **layout)
-    calls = compiled_calls(compiled)
+    functions = compiled_calls(compiled)
     towers = [canonical_device(f"/cpu:{i}") for i in range(1, 5)]
-    assert sorted(set(calls)) == towers and not compiled_calls(make_run(**layout))
+    assert sorted({canonical_device(call.device) for calls in functions for call in calls}) == towers
+    assert not any(compiled_calls(make_run(**layout)))
+    waits = [[calls_before(call, calls) for call in calls] for calls in functions]
+    if layout.get("model") == "test_precision_counted":  # each tower after the one before it
+        assert all(len(before) == i for calls in waits for i, before in enumerate(calls)), waits
+    else:
+        assert not any(before for calls in waits for before in calls), waits
     start = weights(compiled.state.model)
     got, want = trained(compiled), trained(make_run(**layout))
     assert relative_error(got, want) < 1e-4
     assert relative_error(got[:len(start)], start) > 1e-3  # the updates moved the weights
+    if layout.get("model") == "test_precision_counted":
+        assert got[len(start)] == want[len(start)] == 3 * layout["accum"] * 4  # every tower's calls counted
 
 
 def test_the_cli_trains_in_fp16_and_logs_the_loss_scale(tmp_path):

@@ -66,7 +66,7 @@ def resolve_all_reduce(mode: str, choice: str, plan: DevicePlan) -> str:
 def check_jit_compile(mode: str, plan: DevicePlan) -> None:
     """XLA compiles a tower for its own device and cannot read variables held on another one
     (tensorflow.org/xla/known_issues). Tower mode hands its compiled towers the values instead
-    (`towers.compiled_tower_function`); CentralStorageStrategy's replicas read its variables."""
+    (`towers.compiled_towers`); CentralStorageStrategy's replicas read its variables."""
     rules = MODE_RULES[mode]
     if not (rules.mirrors_variables or rules.places_towers) and set(plan.tower_devices) != {plan.param_device}:
         raise UsageError(f"--jit_compile: XLA cannot read the variables on {plan.param_device} from "

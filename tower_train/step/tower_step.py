@@ -75,6 +75,7 @@ device.
 """
 from __future__ import annotations
 
+import functools
 from typing import Callable, Iterator, Mapping, Sequence
 
 import tensorflow as tf
@@ -86,7 +87,7 @@ from tower_train.step.device_feed import feed_devices, shard_specs
 from tower_train.step.inner_step import BatchSpec, Decision, Shards, UpdateResult
 from tower_train.step.pooled_moments import PooledMoments, moment_shapes, moving_layers
 from tower_train.step.tower_layout import TowerPlacement, TowerSetup, TowerSums
-from tower_train.step.towers import (TowerResult, compiled_tower_function, labels_per_shard, pass_seeds,
+from tower_train.step.towers import (TowerResult, compiled_towers, labels_per_shard, pass_seeds,
                                      run_on_towers, seed_generator_states, tower_function)
 from tower_train.step.update_rule import TrainingStatistics, UpdateRule
 from tower_train.step.update_sums import UpdateSums
@@ -111,10 +112,11 @@ class TowerStep:
         model = rule.model
         self._sparse = tuple(j for j, sparse in enumerate(model.sparse_gradients) if sparse and sparse_steps)
         normalizing = moving_layers(model) if pooled_moments else []
-        self._tower = (compiled_tower_function(model, rule.loss_scale, prepare, self._sparse, normalizing)
-                       if jit_compile else
-                       tower_function(model, rule.loss_scale, prepare=prepare, sparse=self._sparse,
-                                      moments=normalizing))
+        if jit_compile:
+            self._run_towers = compiled_towers(model, rule.loss_scale, prepare, self._sparse, normalizing)
+        else:
+            self._run_towers = functools.partial(run_on_towers, tower_function(
+                model, rule.loss_scale, prepare=prepare, sparse=self._sparse, moments=normalizing))
         self._rule = rule
         self._devices = tuple(tower_devices)
         self._shard_sizes = tuple(shard_sizes)  # examples of each tower per micro-step
@@ -252,7 +254,7 @@ class TowerStep:
                 shards = [(*shard, pass_seeds(self._generator_states, update, micro_step, i))
                           for i, shard in enumerate(shards)]
                 self._micro_step.assign_add(1)
-        results = run_on_towers(self._tower, self._devices, shards)
+        results = self._run_towers(self._devices, shards)
         model = self._rule.model
         if model.tracks_training_metrics:  # where the metrics live: each tower's outputs come there
             with tf.device(self.layout.host):

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 from typing import Callable, NamedTuple, Sequence, TypeVar
 
+import keras
 import numpy as np
 import tensorflow as tf
 
@@ -213,7 +214,7 @@ def tower_function(
     function of (features, labels, weights[, weight_copies[, seeds]]), reading the current loss
     scale at every call; with `jit_compile`,
     compiled by XLA for the device it is called on (which must hold the model's variables: XLA
-    cannot read another device's; `compiled_tower_function` reads none). Features that come as
+    cannot read another device's; `compiled_towers` reads none). Features that come as
     a `RawInput` are preprocessed by `prepare` first, on that device, outside XLA (`prepared`)."""
     def tower_pass(features: tf.Tensor, labels: tf.Tensor, weights: tf.Tensor,
                    weight_copies: Sequence[tf.Variable] | None = None,
@@ -244,34 +245,69 @@ def _compiled_pass(tower_pass: Callable[..., TowerResult]) -> Callable[..., Towe
     return tf.function(scoped, jit_compile=True, autograph=False)
 
 
-def compiled_tower_function(model: TowerModel, loss_scale: LossScale | None = None,
-                            prepare: Preprocess | None = None, sparse: Sequence[int] = (),
-                            moments: Sequence[object] = ()) -> Callable[..., TowerResult]:
-    """`tower_loss_and_gradients` of `model` (its `sparse` variables' occurrences too) compiled by XLA for the device it is called on, as a
-    function of (features, labels, weights, weight_copies[, seeds]), for towers whose variables
-    live elsewhere (tower mode). XLA cannot read another device's variables, so the compiled pass
-    reads none: the weights come as `weight_copies` (a tower's copy, or the parameter device's
-    values), and the loss scale and `model.state_variables` are read outside it, in program
-    order, the values it moved written back after it, as an uncompiled pass would. A `RawInput`
-    is preprocessed by `prepare` on that device, outside the compiled pass (`prepared`)."""
+def compiled_towers(model: TowerModel, loss_scale: LossScale | None = None,
+                    prepare: Preprocess | None = None, sparse: Sequence[int] = (),
+                    moments: Sequence[object] = ()) -> Callable[[Sequence[str], Sequence[tuple]], list[TowerResult]]:
+    """`tower_loss_and_gradients` of `model` (its `sparse` variables' occurrences too) compiled
+    by XLA for each tower's device, as a function of (devices, shards) like `run_on_towers`, each
+    shard (features, labels, weights, weight_copies[, seeds]), for towers whose variables live
+    elsewhere (tower mode). XLA cannot read another device's variables, so a compiled pass reads
+    none: the weights come as `weight_copies` (a tower's copy, or the parameter device's values),
+    the loss scale and `model.state_variables` are read outside it, and the values it moved are
+    written back after it. A `RawInput` is preprocessed by `prepare` on that device, outside the
+    compiled pass (`prepared`).
+
+    The statistics move tower by tower in program order, as the uncompiled passes move them, yet
+    the compiled passes do not wait for each other: each starts from the values the micro-step
+    started with (s_0), and since a BN layer's moving mean and variance move linearly, a pass that
+    moved one from s_0 to r_i = s_0 m + x_i (1 - m) moves it, after the towers before it, to
+    s_i = s_(i-1) m + (r_i - s_0 m) (`_moving_average_momenta`). If the first pass moves any other
+    variable, each pass reads what the one before it wrote, and the passes run one after another.
+    """
     def compiled_pass(features, labels, weights, weight_values, statistics, seeds, scale) -> TowerResult:
         return tower_loss_and_gradients(model, features, labels, weights, scale, weight_values, seeds,
                                         statistics, sparse, moments)
 
     compiled = _compiled_pass(compiled_pass)
 
-    def tower(features: tf.Tensor, labels: tf.Tensor, weights: tf.Tensor,
-              weight_copies: Sequence[tf.Variable | tf.Tensor], seeds: tf.Tensor | None = None) -> TowerResult:
+    def towers(devices: Sequence[str], shards: Sequence[tuple]) -> list[TowerResult]:
         state = model.state_variables
-        result = compiled(prepared(features, prepare), labels, weights,
-                          [tf.convert_to_tensor(c) for c in weight_copies],
-                          [tf.convert_to_tensor(v) for v in state], seeds,
-                          None if loss_scale is None else loss_scale.value.read_value())
-        for index, value in result.moved_statistics.items():
-            state[int(index)].assign(value)
-        return result._replace(moved_statistics=None)
+        momenta = _moving_average_momenta(model)
+        start = [tf.convert_to_tensor(v) for v in state]  # each read where its variable lives
+        passes = 0  # the towers traced so far
+        overlapping = True  # whether every pass so far started from `start` and moved linear averages only
 
-    return tower
+        def tower(features: tf.Tensor, labels: tf.Tensor, weights: tf.Tensor,
+                  weight_copies: Sequence[tf.Variable | tf.Tensor], seeds: tf.Tensor | None = None) -> TowerResult:
+            nonlocal passes, overlapping
+            statistics = start if overlapping else [tf.convert_to_tensor(v) for v in state]
+            result = compiled(prepared(features, prepare), labels, weights,
+                              [tf.convert_to_tensor(c) for c in weight_copies], statistics, seeds,
+                              None if loss_scale is None else loss_scale.value.read_value())
+            for index, moved in result.moved_statistics.items():
+                variable = state[int(index)]
+                if overlapping and passes:  # moved from s_0, not from what the towers before left
+                    momentum = momenta[int(index)]
+                    with tf.device(variable.value.device):
+                        moved = tf.convert_to_tensor(variable) * momentum + (moved - start[int(index)] * momentum)
+                variable.assign(moved)
+            overlapping = overlapping and all(int(index) in momenta for index in result.moved_statistics)
+            passes += 1
+            return result._replace(moved_statistics=None)
+
+        return run_on_towers(tower, devices, shards)
+
+    return towers
+
+
+def _moving_average_momenta(model: TowerModel) -> dict[int, float]:
+    """{index in `model.state_variables`: momentum} of the BatchNormalization moving means and
+    variances, which a training call moves as s m + x (1 - m), x its batch's moment (a
+    renormalizing layer's move otherwise)."""
+    index = {id(variable): i for i, variable in enumerate(model.state_variables)}
+    return {index[id(variable)]: layer.momentum for layer in model._flatten_layers()
+            if isinstance(layer, keras.layers.BatchNormalization) and not layer.renorm
+            for variable in (layer.moving_mean, layer.moving_variance) if id(variable) in index}
 
 
 def seed_generator_states(model: TowerModel) -> tf.Tensor | None:
