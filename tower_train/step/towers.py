@@ -39,14 +39,13 @@ from __future__ import annotations
 
 from typing import Callable, NamedTuple, Sequence, TypeVar
 
-import keras
 import numpy as np
 import tensorflow as tf
 
 from tower_train.data.source import Preprocess, RawInput
 from tower_train.errors import UsageError
 from tower_train.models.base import TowerModel
-from tower_train.step.pooled_moments import recorded_moments
+from tower_train.step.pooled_moments import moving_layers, recorded_moments
 from tower_train.step.update_rule import LossScale
 
 T = TypeVar("T")
@@ -301,12 +300,11 @@ def compiled_towers(model: TowerModel, loss_scale: LossScale | None = None,
 
 
 def _moving_average_momenta(model: TowerModel) -> dict[int, float]:
-    """{index in `model.state_variables`: momentum} of the BatchNormalization moving means and
-    variances, which a training call moves as s m + x (1 - m), x its batch's moment (a
-    renormalizing layer's move otherwise)."""
+    """{index in `model.state_variables`: momentum} of the moving means and variances of the
+    BatchNormalization layers a training call moves (`moving_layers`), which it moves as
+    s m + x (1 - m), x its batch's moment."""
     index = {id(variable): i for i, variable in enumerate(model.state_variables)}
-    return {index[id(variable)]: layer.momentum for layer in model._flatten_layers()
-            if isinstance(layer, keras.layers.BatchNormalization) and not layer.renorm
+    return {index[id(variable)]: layer.momentum for layer in moving_layers(model)
             for variable in (layer.moving_mean, layer.moving_variance) if id(variable) in index}
 
 
